@@ -1,0 +1,143 @@
+"""`MoEConfig`: Tutel's `moe_layer` arguments, validated once and frozen (hashable, so usable as a jit static)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from .experts import Experts, make_experts
+from .routing.gates import Gate, make_gate
+
+__all__ = ["MoEConfig", "make_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static description of one MoE layer.
+
+    Attributes:
+      model_dim: M, the channel count of the input [..., M].
+      gates: one or more gates; a call picks one with `gate_index`.
+      experts: the expert network.
+      num_local_experts: experts per device (`count_per_node`); negative -s shares one expert over s devices.
+      num_global_experts: E.
+      is_postscore: apply gate weights at decode (True) or encode (False).
+      batch_prioritized_routing: place tokens by descending best score instead of token order.
+      normalize_gate: renormalise the k weights of each token (k > 1).
+      is_gshard_loss: GShard loss (True) or importance+load loss (False).
+      a2a_ffn_overlap_degree: chunks of the capacity axis for all_to_all / expert overlap.
+      parallel_type: Tutel's 'adaptive:r', 'data' or 'model'.
+      use_2dh: hierarchical all_to_all.
+      dtype: parameter and compute dtype of the experts (the input is cast to it, as in Tutel).
+      result_func: optional function applied to the output (Tutel's `result_func`).
+    """
+
+    model_dim: int
+    gates: tuple[Gate, ...]
+    experts: Experts
+    num_local_experts: int = 1
+    num_global_experts: int = 1
+    is_postscore: bool = True
+    batch_prioritized_routing: bool = False
+    normalize_gate: bool = True
+    is_gshard_loss: bool = True
+    a2a_ffn_overlap_degree: int = 1
+    parallel_type: str = "adaptive:1"
+    use_2dh: bool = False
+    dtype: Any = jnp.float32
+    result_func: Callable | None = None
+
+    @property
+    def sharded_count(self) -> int:
+        """Devices sharing one expert (Tutel's `sharded_count`): s for count_per_node = -s, else 1."""
+        return -self.num_local_experts if self.num_local_experts < 0 else 1
+
+    @property
+    def output_dim(self) -> int:
+        return getattr(self.experts, "output_dim", None) or self.model_dim
+
+    def gate(self, gate_index: int) -> Gate:
+        if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
+            raise ValueError(f"gate_index must be an integer in [0, {len(self.gates)}), got {gate_index!r}")
+        return self.gates[gate_index]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def make_config(
+    gate_type: Any,
+    model_dim: int,
+    experts: Any = None,
+    *,
+    world_size: int = 1,
+    is_postscore: bool = True,
+    batch_prioritized_routing: bool = False,
+    normalize_gate: bool = True,
+    is_gshard_loss: bool = True,
+    a2a_ffn_overlap_degree: int = 1,
+    parallel_type: str = "adaptive:1",
+    use_2dh: bool = False,
+    dtype: Any = jnp.float32,
+    result_func: Callable | None = None,
+) -> MoEConfig:
+    """Validates Tutel's `moe_layer` arguments into an MoEConfig.
+
+    `experts` is Tutel's dict (`type`, `count_per_node` or `num_experts_per_device`, `hidden_size_per_expert`,
+    `activation_fn`, ...) or an object implementing the `Experts` protocol (then one local expert unless it has
+    a `num_local_experts` attribute). `world_size` is the size of the expert-parallel group.
+    """
+    model_dim = _positive_int("model_dim", model_dim)
+    world_size = _positive_int("world_size", world_size)
+    if experts is None:
+        raise ValueError("experts must be given: a dict such as {'type': 'ffn', 'count_per_node': 2, "
+                         "'hidden_size_per_expert': 1024} or an object with init() and batched()")
+    if isinstance(experts, dict):
+        spec = dict(experts)
+        if "count_per_node" in spec and "num_experts_per_device" in spec:
+            raise ValueError("experts: give only one of 'count_per_node' and 'num_experts_per_device'")
+        local = spec.get("count_per_node", spec.get("num_experts_per_device", 1))
+        expert_net = make_experts(spec)
+    else:
+        if not isinstance(experts, Experts):
+            raise ValueError(f"experts must be a dict or an object with init() and batched(), got {type(experts).__name__}")
+        local = getattr(experts, "num_local_experts", 1)
+        expert_net = experts
+    if isinstance(local, bool) or not isinstance(local, int) or local == 0:
+        raise ValueError(f"experts['count_per_node'] must be a non-zero integer (n > 0 experts per device, or -s "
+                         f"to share one expert over s devices), got {local!r}")
+    if local > 0:
+        num_global = local * world_size
+    else:
+        if world_size % (-local) != 0:
+            raise ValueError(f"experts['count_per_node'] = {local} shares each expert over {-local} devices, which must "
+                             f"divide the expert-parallel world size {world_size}")
+        num_global = world_size // (-local)
+    hidden = getattr(expert_net, "hidden_size_per_expert", None)
+    if hidden is not None and local < 0 and hidden % (-local) != 0:
+        raise ValueError(f"experts['hidden_size_per_expert'] = {hidden} must be divisible by the sharded count {-local}")
+
+    specs = gate_type if isinstance(gate_type, (list, tuple)) else [gate_type]
+    if not specs:
+        raise ValueError("gate_type must not be empty")
+    gates = tuple(make_gate(spec, i) for i, spec in enumerate(specs))
+    degree = _positive_int("a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
+    if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model")
+                                                  or parallel_type.startswith("adaptive:")):
+        raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be a JAX dtype such as 'float32' or 'bfloat16', got {dtype!r}") from None
+    return MoEConfig(
+        model_dim=model_dim, gates=gates, experts=expert_net, num_local_experts=local, num_global_experts=num_global,
+        is_postscore=bool(is_postscore), batch_prioritized_routing=bool(batch_prioritized_routing),
+        normalize_gate=bool(normalize_gate), is_gshard_loss=bool(is_gshard_loss), a2a_ffn_overlap_degree=degree,
+        parallel_type=parallel_type, use_2dh=bool(use_2dh), dtype=dtype, result_func=result_func,
+    )
+

@@ -1,0 +1,190 @@
+"""The MoE layer as pure functions: `init_params` and `moe_apply`.
+
+Data flows one way: x -> gate logits -> (noise) -> softmax scores -> routing plan -> encode -> experts ->
+decode -> y, plus the aux loss from the scores. `moe_apply` works under `jax.jit` and `jax.grad` with the config
+and per-call switches static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import dispatch
+from .config import MoEConfig
+from .losses import gshard_loss, load_importance_loss
+from .routing.plan import RoutingPlan, top_k_routing
+
+__all__ = ["MoEAux", "init_params", "moe_apply", "route"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEAux:
+    """What one call of the layer reports besides its output.
+
+    Attributes:
+      l_aux: [] float32 load-balancing loss.
+      dispatch_count: [E] int32 assignments per expert before dropping.
+      capacity: [] int32 Tutel's capacity C.
+      dropped_fraction: [] float32 fraction of the k*S assignments dropped.
+    """
+
+    l_aux: jax.Array
+    dispatch_count: jax.Array
+    capacity: jax.Array
+    dropped_fraction: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    MoEAux, data_fields=["l_aux", "dispatch_count", "capacity", "dropped_fraction"], meta_fields=[])
+
+
+def init_params(config: MoEConfig, key: jax.Array | None = None, *, seeds: tuple | None = None) -> dict:
+    """Fresh parameters `{'gates': [gate params, ...], 'experts': expert params}` (E local experts).
+
+    Either `key` (a PRNG key) or Tutel's `seeds` = (gate seed, expert seed, ...): gate i uses seed[0] + i,
+    the experts seed[1].
+    """
+    num_gates = len(config.gates)
+    if seeds is not None:
+        gate_keys = [jax.random.key(int(seeds[0]) + i) for i in range(num_gates)]
+        expert_key = jax.random.key(int(seeds[1]))
+    else:
+        if key is None:
+            raise ValueError("init_params needs a PRNG `key` or Tutel `seeds`")
+        keys = jax.random.split(key, num_gates + 1)
+        gate_keys, expert_key = list(keys[:num_gates]), keys[num_gates]
+    num_experts = config.num_global_experts if config.num_local_experts > 0 else 1
+    return {
+        "gates": [g.init(k, config.model_dim, config.num_global_experts, config.dtype)
+                  for g, k in zip(config.gates, gate_keys)],
+        "experts": config.experts.init(expert_key, config.model_dim, num_experts, config.dtype),
+    }
+
+
+def route(
+    gate_params: Any,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    top_k: int | None = None,
+    capacity_factor: float | None = None,
+    gate_index: int = 0,
+    rng: jax.Array | None = None,
+    deterministic: bool = True,
+    alignment: int = 1,
+    num_tokens_for_capacity: int | None = None,
+    max_count_reduce=None,
+) -> tuple[RoutingPlan, jax.Array]:
+    """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux)."""
+    gate = config.gate(gate_index)
+    k = gate.k if top_k is None else top_k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+    cf = gate.capacity_factor if capacity_factor is None else capacity_factor
+    try:
+        cf = float(cf)
+    except (TypeError, ValueError):
+        raise ValueError(f"capacity_factor must be a number, got {cf!r}") from None
+    num_experts = config.num_global_experts
+
+    logits = gate.logits(gate_params, x)
+    noisy = logits
+    if not deterministic and gate.gate_noise > 0:
+        if rng is None:
+            raise ValueError("gate_noise > 0 in training mode needs an `rng` key (or call with deterministic=True)")
+        noise = jax.random.normal(rng, logits.shape, jnp.float32).astype(logits.dtype)
+        noisy = logits + gate.gate_noise * noise / num_experts
+    scores = jax.nn.softmax(noisy, axis=1)
+
+    plan = top_k_routing(
+        scores, k, cf,
+        batch_prioritized_routing=config.batch_prioritized_routing,
+        normalize_gate=config.normalize_gate,
+        alignment=alignment,
+        num_tokens_for_capacity=num_tokens_for_capacity,
+        max_count_reduce=max_count_reduce,
+    )
+    if config.is_gshard_loss:
+        l_aux = gshard_loss(scores, plan.expert_ids)
+    else:
+        top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
+        l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise)
+    return plan, l_aux
+
+
+def _run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    """Dropless path: permute -> grouped experts -> unpermute; no [E, C, M] padding."""
+    experts = config.experts
+    grouped = getattr(experts, "grouped", None)
+    if grouped is None:
+        try:
+            capacity = int(plan.capacity)  # concrete outside jit: use an exactly sized buffer
+        except jax.errors.ConcretizationTypeError:
+            raise ValueError("capacity_factor=0 (dropless) under jit needs experts with a grouped() method; "
+                             f"{type(experts).__name__} has none. Use capacity_factor < 0 to bound the "
+                             "capacity, or call outside jit.") from None
+        return _run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
+    rows = dispatch.permute(x, plan, config.is_postscore).astype(x.dtype)
+    out = grouped(expert_params, rows, plan.dispatch_count)
+    return dispatch.unpermute(out, plan, config.is_postscore)
+
+
+def _run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    buf = dispatch.fast_encode(x, plan, config.is_postscore).astype(x.dtype)  # [E, C, M]
+    out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
+    return dispatch.fast_decode(out, plan, config.is_postscore)
+
+
+def moe_apply(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    top_k: int | None = None,
+    capacity_factor: float | None = None,
+    gate_index: int = 0,
+    rng: jax.Array | None = None,
+    deterministic: bool = True,
+    a2a_ffn_overlap_degree: int | None = None,
+) -> tuple[jax.Array, MoEAux]:
+    """Runs the MoE layer on one device.
+
+    Args:
+      params: from `init_params` (or a Tutel checkpoint).
+      x: [..., M] input; flattened to S tokens batch-major.
+      config: the layer's MoEConfig (static).
+      top_k, capacity_factor, gate_index: per-call overrides of the gate's defaults (static).
+        capacity_factor: > 0 fixed, 0 dropless, < 0 bounded dropless (Tutel semantics).
+      rng: key for the gate noise (used only when not deterministic and gate_noise > 0).
+      deterministic: no gate noise (Tutel's eval mode).
+      a2a_ffn_overlap_degree: per-call override; it aligns the capacity like in Tutel.
+
+    Returns:
+      (y, aux): y has x's shape (last dim the expert output dim) and dtype; aux is a MoEAux.
+      NaN in x propagates to the outputs of the tokens that share its experts' slots; it never raises.
+    """
+    if x.ndim < 1 or x.shape[-1] != config.model_dim:
+        raise ValueError(f"x must have shape [..., model_dim={config.model_dim}], got {tuple(x.shape)}")
+    orig_shape, orig_dtype = x.shape, x.dtype
+    tokens = x.reshape(-1, config.model_dim).astype(config.dtype)
+    degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
+    config.gate(gate_index)  # validates gate_index before indexing the parameters
+    plan, l_aux = route(
+        params["gates"][gate_index], tokens, config,
+        top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
+        deterministic=deterministic, alignment=config.sharded_count * degree,
+    )
+    if plan.buffer_capacity is None:
+        y = _run_experts_dropless(params["experts"], tokens, plan, config)
+    else:
+        y = _run_experts_buffered(params["experts"], tokens, plan, config)
+    y = y.reshape(orig_shape[:-1] + (y.shape[-1],)).astype(orig_dtype)
+    if config.result_func is not None:
+        y = config.result_func(y)
+    aux = MoEAux(l_aux=l_aux.astype(jnp.float32), dispatch_count=plan.dispatch_count, capacity=plan.capacity,
+                 dropped_fraction=plan.dropped_fraction)
+    return y, aux

@@ -1,0 +1,205 @@
+"""Tutel's top-k routing: from gate scores to a routing plan.
+
+A routing plan says, for each of the k choices of each token, which expert it goes to (`expert_ids`), which slot
+of that expert's buffer it takes (`locations`), and with what weight it is combined (`gates`). Slots follow
+Tutel's rule: every first choice is placed before any second choice, and within one choice tokens are placed in
+token order (or in descending order of their best score with `batch_prioritized_routing`). A choice is dropped
+when its slot is at or beyond the capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["RoutingPlan", "top_k_routing", "static_capacity", "align_capacity", "slot_positions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    """Where every (choice, token) assignment goes.
+
+    Attributes:
+      expert_ids: [k, S] int32, expert of choice j of token s (descending score order).
+      locations: [k, S] int32, slot of that assignment inside its expert, counted before dropping; the assignment
+        is dropped when `locations >= capacity`.
+      gates: [k, S] float, combine weight of that assignment (normalised over the k choices when k > 1 and
+        `normalize_gate`; the normalisation includes choices that are dropped later, as in Tutel).
+      dispatch_count: [E] int32, assignments routed to each expert before dropping.
+      capacity: [] int32, Tutel's capacity C (after alignment). It may be data dependent (capacity_factor <= 0).
+      num_experts: E (static).
+      buffer_capacity: static number of slots per expert of the [E, C, M] buffer, >= `capacity`; None for a
+        plan meant for the dropless grouped path, which has no buffer.
+    """
+
+    expert_ids: jax.Array
+    locations: jax.Array
+    gates: jax.Array
+    dispatch_count: jax.Array
+    capacity: jax.Array
+    num_experts: int
+    buffer_capacity: int | None
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[1]
+
+    @property
+    def kept(self) -> jax.Array:
+        """[k, S] bool, True where the assignment fits within the capacity."""
+        return self.locations < self.capacity
+
+    @property
+    def dropped_fraction(self) -> jax.Array:
+        """[] float32, fraction of the k*S assignments dropped for lack of capacity."""
+        return 1.0 - jnp.mean(self.kept.astype(jnp.float32))
+
+    def with_buffer_capacity(self, buffer_capacity: int) -> "RoutingPlan":
+        """The same plan laid out in a buffer of `buffer_capacity` slots per expert (assignments beyond it drop)."""
+        return dataclasses.replace(
+            self,
+            buffer_capacity=int(buffer_capacity),
+            capacity=jnp.minimum(self.capacity, jnp.int32(buffer_capacity)),
+        )
+
+
+jax.tree_util.register_dataclass(
+    RoutingPlan,
+    data_fields=["expert_ids", "locations", "gates", "dispatch_count", "capacity"],
+    meta_fields=["num_experts", "buffer_capacity"],
+)
+
+
+def align_capacity(capacity, alignment: int):
+    """Rounds `capacity` up to a multiple of `alignment` (Tutel: an alignment above 256 becomes 128)."""
+    alignment = int(alignment)
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    if alignment > 256:
+        alignment = 128
+    if isinstance(capacity, int):
+        return -(-capacity // alignment) * alignment
+    return (capacity + alignment - 1) // alignment * alignment
+
+
+def static_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, alignment: int = 1
+                    ) -> int | None:
+    """The static buffer capacity for a capacity factor, or None for dropless (capacity_factor == 0).
+
+    capacity_factor > 0: `k * int(cf * ceil(S / E))`, Tutel's capacity itself.
+    capacity_factor < 0: the bound `k * int(-cf * ceil(S / E))`; Tutel's capacity is min(max count, bound), which
+      drops exactly the same assignments as the bound does, since no slot reaches the max count.
+    """
+    samples_per_expert = -(-num_tokens // num_experts)
+    if capacity_factor == 0:
+        return None
+    bound = top_k * int(abs(capacity_factor) * samples_per_expert)
+    return align_capacity(bound, alignment)
+
+
+def slot_positions(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Slots of every assignment under Tutel's order, and the per-expert counts.
+
+    Args:
+      expert_ids: [k, S] int32.
+      num_experts: E.
+      priority_order: optional [S] permutation; tokens are placed in this order instead of token order.
+
+    Returns:
+      locations: [k, S] int32, the number of earlier assignments to the same expert, where "earlier" means a
+        lower choice index, or the same choice index and an earlier token in the placement order.
+      counts: [E] int32 assignments per expert.
+    """
+    k, num_tokens = expert_ids.shape
+    ordered = expert_ids if priority_order is None else expert_ids[:, priority_order]
+    flat = ordered.reshape(-1)  # choice-major, then placement order: exactly Tutel's precedence
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    starts = jnp.cumsum(counts) - counts
+    order = jnp.argsort(flat, stable=True)
+    rank = jnp.zeros((k * num_tokens,), jnp.int32).at[order].set(jnp.arange(k * num_tokens, dtype=jnp.int32))
+    slots = (rank - starts[flat]).reshape(k, num_tokens)
+    if priority_order is not None:
+        slots = jnp.zeros_like(slots).at[:, priority_order].set(slots)
+    return slots, counts
+
+
+def top_k_routing(
+    scores: jax.Array,
+    top_k: int,
+    capacity_factor: float = 1.0,
+    *,
+    batch_prioritized_routing: bool = False,
+    normalize_gate: bool = True,
+    alignment: int = 1,
+    num_tokens_for_capacity: int | None = None,
+    max_count_reduce=None,
+) -> RoutingPlan:
+    """Tutel's `extract_critical`: top-k choices, slots, combine weights and capacity.
+
+    Args:
+      scores: [S, E] routing probabilities (softmax of the possibly noisy logits).
+      top_k: k >= 1; clipped to E like Tutel.
+      capacity_factor: > 0 fixed capacity `k * int(cf * ceil(S/E))`; == 0 dropless (C = max count);
+        < 0 `min(max count, k * int(-cf * ceil(S/E)))`.
+      batch_prioritized_routing: place tokens in descending order of their best score (stable sort).
+      normalize_gate: for k > 1, divide the k weights by max(sum, eps).
+      alignment: round the capacity up to a multiple of this (sharded count x overlap degree).
+      num_tokens_for_capacity: S used in `ceil(S / E)`; defaults to the local S. Expert parallelism with unequal
+        token counts passes the maximum over ranks.
+      max_count_reduce: optional function applied to the local max dispatch count (e.g. a `pmax` over the
+        expert-parallel group) so that every rank agrees on the capacity.
+
+    Returns:
+      A RoutingPlan. `buffer_capacity` is the static buffer size (None for capacity_factor == 0).
+    """
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be [S, E], got shape {scores.shape}")
+    num_tokens, num_experts = scores.shape
+    top_k = int(top_k)
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    top_k = min(top_k, num_experts)
+
+    top_scores, top_ids = jax.lax.top_k(scores, top_k)  # descending, ties to the lower expert index
+    expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
+    gates = top_scores.T  # [k, S]
+
+    priority = None
+    if batch_prioritized_routing:
+        priority = jnp.argsort(-jnp.max(scores, axis=1), stable=True)
+    locations, counts = slot_positions(expert_ids, num_experts, priority)
+
+    if top_k > 1 and normalize_gate:
+        denom = jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
+        gates = gates / denom
+
+    s_for_cap = num_tokens if num_tokens_for_capacity is None else int(num_tokens_for_capacity)
+    buffer_capacity = static_capacity(s_for_cap, num_experts, top_k, capacity_factor, alignment)
+    max_count = jnp.max(counts)
+    if max_count_reduce is not None:
+        max_count = max_count_reduce(max_count)
+    if capacity_factor > 0:
+        capacity = jnp.asarray(buffer_capacity, jnp.int32)
+    elif capacity_factor == 0:
+        capacity = align_capacity(max_count, alignment).astype(jnp.int32)
+    else:
+        bound = top_k * int(-capacity_factor * math.ceil(s_for_cap / num_experts))
+        capacity = align_capacity(jnp.minimum(max_count, bound), alignment).astype(jnp.int32)
+
+    return RoutingPlan(
+        expert_ids=expert_ids,
+        locations=locations,
+        gates=gates,
+        dispatch_count=counts,
+        capacity=capacity,
+        num_experts=num_experts,
+        buffer_capacity=buffer_capacity,
+    )
