@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from .dispatch import group_row_experts
-from .routing.gates import torch_linear_init
 
 __all__ = ["Experts", "FFNExperts", "LlamaFFNExperts", "EXPERT_TYPES", "register_experts", "make_experts",
            "ACTIVATIONS"]
@@ -76,18 +75,19 @@ class FFNExperts:
     def init(self, key, model_dim, num_experts, dtype):
         out_dim = self.output_dim or model_dim
         hidden = self.hidden_size_per_expert
-        keys = jax.random.split(key, 2 * num_experts).reshape(num_experts, 2, -1)
-        # Tutel fills each expert from fresh torch Linear layers: fc1 = Linear(M, H), fc2 = Linear(H, M_out).T
-        fc1 = [torch_linear_init(keys[e, 0], hidden, model_dim, dtype) for e in range(num_experts)]
-        fc2 = [torch_linear_init(keys[e, 1], out_dim, hidden, dtype) for e in range(num_experts)]
+        # Tutel fills each expert from fresh torch Linear layers: fc1 = Linear(M, H), fc2 = Linear(H, M_out).T,
+        # i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases alike.
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        uniform = lambda k, shape, fan_in: jax.random.uniform(
+            k, shape, jnp.float32, -fan_in ** -0.5, fan_in ** -0.5).astype(dtype)
         params = {
-            "batched_fc1_w": jnp.stack([w for w, _ in fc1]),
-            "batched_fc2_w": jnp.stack([w.T for w, _ in fc2]),
+            "batched_fc1_w": uniform(k1, (num_experts, hidden, model_dim), model_dim),
+            "batched_fc2_w": uniform(k2, (num_experts, hidden, out_dim), hidden),
         }
         if self.has_fc1_bias:
-            params["batched_fc1_bias"] = jnp.stack([b for _, b in fc1])
+            params["batched_fc1_bias"] = uniform(k3, (num_experts, hidden), model_dim)
         if self.has_fc2_bias:
-            params["batched_fc2_bias"] = jnp.stack([b for _, b in fc2])
+            params["batched_fc2_bias"] = uniform(k4, (num_experts, out_dim), hidden)
         return params
 
     def batched(self, params, x):

@@ -59,7 +59,7 @@ class RoutingPlan:
     @property
     def dropped_fraction(self) -> jax.Array:
         """[] float32, fraction of the k*S assignments dropped for lack of capacity."""
-        return 1.0 - jnp.mean(self.kept.astype(jnp.float32))
+        return jnp.sum(~self.kept).astype(jnp.float32) / self.kept.size
 
     def with_buffer_capacity(self, buffer_capacity: int) -> "RoutingPlan":
         """The same plan laid out in a buffer of `buffer_capacity` slots per expert (assignments beyond it drop)."""

@@ -1,0 +1,175 @@
+"""Shared helpers for the benchmarks: interleaved median timing, machine info, JSON and Markdown writers.
+
+Timing protocol (`time_interleaved`):
+  1. every variant is called once and blocked on (compile + first run, reported as `first_call_s`, excluded),
+     then `warmup` more times, untimed;
+  2. the variants then run round-robin (A, B, A, B, ...) so that slow drifts of a noisy machine hit all of them
+     alike; each call is timed with `time.perf_counter` around `jax.block_until_ready`;
+  3. each variant reports the median (and min, max, quartiles) of its timed runs and how many there were.
+A variant whose first call is slow gets fewer runs (`time_budget_s` per variant), but never fewer than
+`min_runs`, so every variant is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+
+__all__ = ["Timing", "time_interleaved", "machine_info", "write_json", "markdown_table", "write_text",
+           "fmt_ms", "fmt_ratio", "repo_root"]
+
+
+def repo_root() -> Path:
+    """The repository root (the parent of `benchmarks/`)."""
+    return Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock statistics of one variant, in seconds."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    q25_s: float
+    q75_s: float
+    runs: int
+    first_call_s: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted, non-empty sequence."""
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _timed_call(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def time_interleaved(
+    variants: dict[str, Callable[[], Any]],
+    runs: int,
+    *,
+    min_runs: int = 3,
+    time_budget_s: float | None = None,
+    warmup: int = 1,
+) -> dict[str, Timing]:
+    """Times zero-argument callables round-robin and returns each one's statistics.
+
+    Args:
+      variants: name -> thunk returning JAX arrays (typically a jitted function closed over its inputs).
+      runs: timed runs per variant.
+      min_runs: lower bound on the runs of a variant cut by `time_budget_s`.
+      time_budget_s: optional wall-clock budget per variant for its timed runs; a variant whose last warm-up
+        call took more than budget / runs gets `max(min_runs, budget // call time)` runs.
+      warmup: untimed calls of each variant after the compiling one (the last one sizes the budget).
+
+    Returns:
+      name -> Timing, in the order of `variants`.
+    """
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    first_call = {name: _timed_call(fn) for name, fn in variants.items()}
+    steady = dict(first_call)
+    for _ in range(warmup):
+        for name, fn in variants.items():
+            steady[name] = _timed_call(fn)
+    wanted = {name: runs for name in variants}
+    if time_budget_s is not None:
+        for name in variants:
+            if steady[name] * runs > time_budget_s:
+                wanted[name] = max(min(min_runs, runs), int(time_budget_s // max(steady[name], 1e-9)))
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    while any(len(samples[name]) < wanted[name] for name in variants):
+        for name, fn in variants.items():
+            if len(samples[name]) < wanted[name]:
+                samples[name].append(_timed_call(fn))
+    result = {}
+    for name in variants:
+        values = sorted(samples[name])
+        result[name] = Timing(
+            median_s=statistics.median(values), min_s=values[0], max_s=values[-1],
+            q25_s=_quantile(values, 0.25), q75_s=_quantile(values, 0.75), runs=len(values),
+            first_call_s=first_call[name],
+        )
+    return result
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: JAX version, backend, devices, CPU count, date."""
+    devices = jax.devices()
+    return {
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_count": len(devices),
+        "device_kind": devices[0].device_kind if devices else None,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Writes `data` as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Writes `text`, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub Markdown table; `align` is one character per column, 'l' or 'r' (default: all right)."""
+    align = align or "r" * len(headers)
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def fmt_ms(seconds: float) -> str:
+    """Seconds as milliseconds with ~3 significant digits."""
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    return f"{ms:.2f}"
+
+
+def fmt_ratio(value: float) -> str:
+    """A ratio with ~3 significant digits and a trailing x."""
+    if value >= 100:
+        return f"{value:.0f}x"
+    if value >= 10:
+        return f"{value:.1f}x"
+    return f"{value:.2f}x"

@@ -1,0 +1,385 @@
+"""MoE layer benchmark: the layer against its expert-matmul floor, and index dispatch against one-hot dispatch.
+
+    python benchmarks/moe_layer.py [--quick] [--out benchmarks/results/moe_layer_cpu.json]
+
+Three measurements, each timed with its compared variants interleaved (see `common.time_interleaved`):
+
+1. Layer: `moe_apply` at Tutel's helloworld size (16 x 512 tokens, model_dim 256, hidden 1024, 4 experts, top-2,
+   capacity factor 1.0, float32), forward and forward+backward (`value_and_grad` of sum(y * upstream) +
+   0.01 * l_aux with respect to the parameters and x).
+2. Floor: the expert computation alone (`config.experts.batched`) on an [E, C, M] buffer of the same C the layer
+   uses, forward and forward+backward (gradients for the expert parameters and the buffer). layer / floor is
+   the overhead of gating, routing, encode and decode; a breakdown times routing and encode+decode alone.
+3. Dispatch: encode + decode with the index-based `fast_encode` / `fast_decode` against the one-hot einsum
+   dispatch of GShard / flaxformer (combine tensor [S, E, C] built from the same routing plan, dispatch =
+   einsum('sec,sm->ecm'), combine = einsum('sec,ecm->sm')), for several E and k at S = 2048, M = 256, cf = 1.0.
+   The routing plan is computed once, outside the timed region; building the combine tensor from the plan is
+   inside it (it is part of that style of dispatch, as building the slot indices is part of the index one).
+
+Results go to a JSON file and a Markdown file next to it (same stem, `.md`); the tables are also printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: make `tutel_jax` and `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (Timing, fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,
+                               time_interleaved, write_json, write_text)
+from tutel_jax import fast_decode, fast_encode, init_params, make_config, moe_apply, top_k_routing
+from tutel_jax.config import MoEConfig
+from tutel_jax.layer import route
+from tutel_jax.routing.plan import RoutingPlan
+
+DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "moe_layer_cpu.json"
+LAYER_RATIO_TARGET = 1.2
+DISPATCH_SPEEDUP_TARGET = 30.0
+# A one-hot case whose [S, E, C] combine tensor is larger than this is not run (recorded as skipped, with why).
+ONEHOT_MAX_BYTES = 2 * 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Sizes and run counts of one benchmark run."""
+
+    batch: int = 16
+    seq: int = 512
+    model_dim: int = 256
+    hidden: int = 1024
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    layer_runs: int = 15
+    dispatch_tokens: int = 2048
+    dispatch_model_dim: int = 256
+    dispatch_experts: tuple[int, ...] = (4, 16, 64, 256)
+    dispatch_top_ks: tuple[int, ...] = (1, 2, 8)
+    dispatch_runs: int = 15
+    # per variant wall-clock budget of the timed runs; a slower variant gets fewer (>= min_runs) runs
+    time_budget_s: float = 8.0
+    min_runs: int = 3
+
+
+FULL = Settings()
+QUICK = Settings(batch=2, seq=512, layer_runs=3, dispatch_tokens=512, dispatch_experts=(4, 64),
+                 dispatch_top_ks=(1, 8), dispatch_runs=3, time_budget_s=1.0, min_runs=2)
+
+
+def _timings(results: dict[str, Timing]) -> dict[str, dict[str, Any]]:
+    return {name: t.as_dict() for name, t in results.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1 + 2: the layer and its floor
+
+
+def layer_config(s: Settings) -> MoEConfig:
+    """The helloworld layer: top-k gate, ffn experts, float32."""
+    return make_config({"type": "top", "k": s.top_k, "capacity_factor": s.capacity_factor}, s.model_dim,
+                       {"type": "ffn", "count_per_node": s.num_experts, "hidden_size_per_expert": s.hidden},
+                       dtype=jnp.float32)
+
+
+def bench_layer(s: Settings) -> dict[str, Any]:
+    """Times the layer, its expert floor, and the layer's routing and encode+decode parts alone."""
+    config = layer_config(s)
+    params = init_params(config, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (s.batch, s.seq, s.model_dim), jnp.float32)
+    upstream = jax.random.normal(jax.random.key(2), (s.batch, s.seq, config.output_dim), jnp.float32)
+    tokens = x.reshape(-1, s.model_dim)
+
+    plan, _ = jax.jit(lambda p, t: route(p["gates"][0], t, config))(params, tokens)
+    capacity = plan.buffer_capacity
+    buf = jax.random.normal(jax.random.key(3), (s.num_experts, capacity, s.model_dim), jnp.float32)
+    buf_upstream = jax.random.normal(jax.random.key(4), (s.num_experts, capacity, config.output_dim), jnp.float32)
+    token_upstream = upstream.reshape(-1, config.output_dim)
+
+    def layer_loss(p, x_):
+        y, aux = moe_apply(p, x_, config)
+        return jnp.sum(y * upstream) + 0.01 * aux.l_aux
+
+    def floor_loss(expert_params, b):
+        return jnp.sum(config.experts.batched(expert_params, b) * buf_upstream)
+
+    def routing_loss(gate_params, t):  # gate matmul + softmax + top-k routing + aux loss, no data movement
+        p, l_aux = route(gate_params, t, config)
+        return jnp.sum(p.gates) + 0.01 * l_aux
+
+    def dispatch_loss(t, gates):  # encode + decode of the layer's plan, no experts
+        p = _with_gates(plan, gates)
+        return jnp.sum(fast_decode(fast_encode(t, p), p) * token_upstream)
+
+    layer_fwd = jax.jit(lambda p, x_: moe_apply(p, x_, config))
+    layer_bwd = jax.jit(jax.value_and_grad(layer_loss, argnums=(0, 1)))
+    floor_fwd = jax.jit(config.experts.batched)
+    floor_bwd = jax.jit(jax.value_and_grad(floor_loss, argnums=(0, 1)))
+    routing_fwd = jax.jit(lambda p, t: route(p, t, config))
+    routing_bwd = jax.jit(jax.value_and_grad(routing_loss, argnums=(0, 1)))
+    dispatch_fwd = jax.jit(lambda t, p: fast_decode(fast_encode(t, p), p))
+    dispatch_bwd = jax.jit(jax.value_and_grad(dispatch_loss, argnums=(0, 1)))
+
+    gate_params = params["gates"][0]
+    forward = time_interleaved({
+        "layer": lambda: layer_fwd(params, x),
+        "floor": lambda: floor_fwd(params["experts"], buf),
+        "routing": lambda: routing_fwd(gate_params, tokens),
+        "encode_decode": lambda: dispatch_fwd(tokens, plan),
+    }, s.layer_runs, min_runs=s.min_runs)
+    backward = time_interleaved({
+        "layer": lambda: layer_bwd(params, x),
+        "floor": lambda: floor_bwd(params["experts"], buf),
+        "routing": lambda: routing_bwd(gate_params, tokens),
+        "encode_decode": lambda: dispatch_bwd(tokens, plan.gates),
+    }, s.layer_runs, min_runs=s.min_runs)
+
+    def summary(t: dict[str, Timing]) -> dict[str, Any]:
+        floor = t["floor"].median_s
+        return {
+            "timings": _timings(t),
+            "layer_over_floor": t["layer"].median_s / floor,
+            "routing_over_floor": t["routing"].median_s / floor,
+            "encode_decode_over_floor": t["encode_decode"].median_s / floor,
+        }
+
+    tokens_count = s.batch * s.seq
+    flops_fwd = 2 * 2 * s.num_experts * capacity * s.model_dim * s.hidden  # two matmuls
+    return {
+        "config": {
+            "tokens": tokens_count, "batch": s.batch, "seq": s.seq, "model_dim": s.model_dim, "hidden": s.hidden,
+            "num_experts": s.num_experts, "top_k": s.top_k, "capacity_factor": s.capacity_factor,
+            "capacity": capacity, "dtype": "float32", "expert_matmul_gflop_forward": flops_fwd / 1e9,
+        },
+        "forward": summary(forward),
+        "forward_backward": summary(backward),
+        "target_layer_over_floor": LAYER_RATIO_TARGET,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3: dispatch, index versus one-hot
+
+
+def onehot_tensors(plan: RoutingPlan, dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """GShard / flaxformer dispatch mask and combine tensor, both [S, E, C], from a routing plan.
+
+    combine[s, e, c] = gate of the choice of token s that took slot c of expert e (0 if none or dropped);
+    dispatch = combine > 0 (as flaxformer does: `combine_array.astype(bool)`).
+    """
+    cap = plan.buffer_capacity
+    expert_1h = jax.nn.one_hot(plan.expert_ids, plan.num_experts, dtype=dtype)  # [k, S, E]
+    location = jnp.where(plan.kept, plan.locations, cap)  # a dropped choice gets an all-zero one-hot row
+    location_1h = jax.nn.one_hot(location, cap, dtype=dtype)  # [k, S, C]
+    combine = jnp.einsum("ks,kse,ksc->sec", plan.gates.astype(dtype), expert_1h, location_1h)
+    dispatch = (combine > 0).astype(dtype)
+    return dispatch, combine
+
+
+def onehot_encode_decode(x: jax.Array, plan: RoutingPlan) -> jax.Array:
+    """One-hot einsum dispatch + combine of x [S, M] (postscore: gates applied at combine)."""
+    dispatch, combine = onehot_tensors(plan, x.dtype)
+    buf = jnp.einsum("sec,sm->ecm", dispatch, x)
+    return jnp.einsum("sec,ecm->sm", combine, buf)
+
+
+def index_encode_decode(x: jax.Array, plan: RoutingPlan) -> jax.Array:
+    """Index-based dispatch + combine of x [S, M] (the library's fast_encode / fast_decode)."""
+    return fast_decode(fast_encode(x, plan), plan)
+
+
+def _with_gates(plan: RoutingPlan, gates: jax.Array) -> RoutingPlan:
+    return dataclasses.replace(plan, gates=gates)
+
+
+def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, Any]:
+    """Times index vs one-hot encode+decode, forward and forward+backward, for one (E, k)."""
+    num_tokens, dim = s.dispatch_tokens, s.dispatch_model_dim
+    logits = jax.random.normal(jax.random.key(10 + num_experts), (num_tokens, num_experts), jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1)
+    plan = jax.jit(lambda sc: top_k_routing(sc, top_k, s.capacity_factor))(scores)  # outside the timed region
+    jax.block_until_ready(plan)
+    x = jax.random.normal(jax.random.key(11), (num_tokens, dim), jnp.float32)
+    upstream = jax.random.normal(jax.random.key(12), (num_tokens, dim), jnp.float32)
+    cap = plan.buffer_capacity
+    onehot_bytes = num_tokens * num_experts * cap * 4
+    case: dict[str, Any] = {
+        "num_experts": num_experts, "top_k": top_k, "effective_top_k": plan.top_k, "capacity": cap,
+        "dropped_fraction": float(plan.dropped_fraction), "onehot_tensor_bytes": onehot_bytes,
+    }
+
+    def loss_fn(fn: Callable[[jax.Array, RoutingPlan], jax.Array]):
+        def loss(x_, gates):
+            return jnp.sum(fn(x_, _with_gates(plan, gates)) * upstream)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    index_fwd = jax.jit(index_encode_decode)
+    index_bwd = loss_fn(index_encode_decode)
+    fwd = {"index": lambda: index_fwd(x, plan)}
+    bwd = {"index": lambda: index_bwd(x, plan.gates)}
+    if onehot_bytes > ONEHOT_MAX_BYTES:
+        case["onehot_skipped"] = (f"one-hot combine tensor [S={num_tokens}, E={num_experts}, C={cap}] needs "
+                                  f"{onehot_bytes / 2 ** 30:.1f} GiB > {ONEHOT_MAX_BYTES / 2 ** 30:.1f} GiB")
+    else:
+        onehot_fwd = jax.jit(onehot_encode_decode)
+        onehot_bwd = loss_fn(onehot_encode_decode)
+        # the two implementations must agree before their times mean anything
+        np.testing.assert_allclose(np.asarray(index_fwd(x, plan)), np.asarray(onehot_fwd(x, plan)),
+                                   rtol=1e-4, atol=1e-4)
+        fwd["onehot"] = lambda: onehot_fwd(x, plan)
+        bwd["onehot"] = lambda: onehot_bwd(x, plan.gates)
+
+    for name, variants in (("forward", fwd), ("forward_backward", bwd)):
+        t = time_interleaved(variants, s.dispatch_runs, min_runs=s.min_runs, time_budget_s=s.time_budget_s)
+        entry: dict[str, Any] = {"timings": _timings(t)}
+        if "onehot" in t:
+            entry["speedup"] = t["onehot"].median_s / t["index"].median_s
+        case[name] = entry
+    return case
+
+
+def bench_dispatch(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    """All (E, k) dispatch cases, plus how flat the index dispatch is in E."""
+    cases = []
+    for top_k in s.dispatch_top_ks:
+        for num_experts in s.dispatch_experts:
+            start = time.perf_counter()
+            case = bench_dispatch_case(s, num_experts, top_k)
+            cases.append(case)
+            log(f"  dispatch E={num_experts:4d} k={top_k}: index fwd "
+                f"{fmt_ms(case['forward']['timings']['index']['median_s'])} ms, speedup fwd "
+                f"{fmt_ratio(case['forward'].get('speedup', float('nan')))} fwd+bwd "
+                f"{fmt_ratio(case['forward_backward'].get('speedup', float('nan')))} "
+                f"({time.perf_counter() - start:.1f} s)")
+    flatness = {}
+    e_lo, e_hi = min(s.dispatch_experts), max(s.dispatch_experts)
+    for top_k in s.dispatch_top_ks:
+        by_e = {c["num_experts"]: c for c in cases if c["top_k"] == top_k}
+        flatness[str(top_k)] = {
+            phase: by_e[e_hi][phase]["timings"]["index"]["median_s"] / by_e[e_lo][phase]["timings"]["index"]["median_s"]
+            for phase in ("forward", "forward_backward")
+        }
+    return {
+        "config": {"tokens": s.dispatch_tokens, "model_dim": s.dispatch_model_dim,
+                   "capacity_factor": s.capacity_factor, "dtype": "float32", "is_postscore": True},
+        "cases": cases,
+        "index_time_ratio_largest_over_smallest_E": {"E": [e_lo, e_hi], "by_top_k": flatness},
+        "target_speedup_at_largest_case": DISPATCH_SPEEDUP_TARGET,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The Markdown report: machine line, layer table, dispatch table."""
+    m = result["machine"]
+    layer = result["layer"]
+    cfg = layer["config"]
+    lines = [
+        f"Measured on {m['backend']} ({m['device_kind']}, {m['cpu_count']} CPUs), jax {m['jax_version']}, "
+        f"{m['date']}{' (quick smoke run)' if result['quick'] else ''}. Median of interleaved runs "
+        f"(runs in brackets), compile excluded.\n",
+        f"**Layer vs expert floor**: {cfg['batch']}x{cfg['seq']} tokens, model_dim {cfg['model_dim']}, "
+        f"hidden {cfg['hidden']}, {cfg['num_experts']} experts, top-{cfg['top_k']}, cf {cfg['capacity_factor']}, "
+        f"C = {cfg['capacity']}, float32. Floor = `experts.batched` on the [E, C, M] buffer alone; routing = gate "
+        f"+ softmax + top-k routing + aux loss; encode+decode = `fast_encode` + `fast_decode`.\n",
+    ]
+    rows = []
+    for phase, label in (("forward", "forward"), ("forward_backward", "forward+backward")):
+        e = layer[phase]
+        t = e["timings"]
+        rows.append([
+            label,
+            f"{fmt_ms(t['layer']['median_s'])} ({t['layer']['runs']})",
+            f"{fmt_ms(t['floor']['median_s'])} ({t['floor']['runs']})",
+            f"**{e['layer_over_floor']:.2f}**",
+            f"{fmt_ms(t['routing']['median_s'])} ({e['routing_over_floor']:.2f})",
+            f"{fmt_ms(t['encode_decode']['median_s'])} ({e['encode_decode_over_floor']:.2f})",
+        ])
+    lines.append(markdown_table(
+        ["pass", "layer ms", "floor ms", f"layer / floor (target <= {LAYER_RATIO_TARGET})",
+         "routing ms (/ floor)", "encode+decode ms (/ floor)"], rows, "lrrrrr"))
+    d = result["dispatch"]
+    dc = d["config"]
+    lines.append(
+        f"\n**Dispatch: index (`fast_encode`/`fast_decode`) vs one-hot einsum**: encode+decode of S = {dc['tokens']} "
+        f"tokens, M = {dc['model_dim']}, cf {dc['capacity_factor']}, float32; C = k * ceil(S / E) (k clipped to E). "
+        f"Forward+backward = `value_and_grad` w.r.t. x and the gates.\n")
+    rows = []
+    for c in d["cases"]:
+        row = [c["num_experts"], c["top_k"] if c["effective_top_k"] == c["top_k"] else
+               f"{c['top_k']} (-> {c['effective_top_k']})", c["capacity"]]
+        for phase in ("forward", "forward_backward"):
+            t = c[phase]["timings"]
+            row.append(f"{fmt_ms(t['index']['median_s'])} ({t['index']['runs']})")
+            if "onehot" in t:
+                row += [f"{fmt_ms(t['onehot']['median_s'])} ({t['onehot']['runs']})",
+                        f"**{fmt_ratio(c[phase]['speedup'])}**"]
+            else:
+                row += ["skipped", "-"]
+        rows.append(row)
+    lines.append(markdown_table(
+        ["E", "k", "C", "index fwd ms", "one-hot fwd ms", "speedup fwd", "index fwd+bwd ms", "one-hot fwd+bwd ms",
+         "speedup fwd+bwd"], rows))
+    flat = d["index_time_ratio_largest_over_smallest_E"]
+    e_lo, e_hi = flat["E"]
+    parts = ", ".join(f"k={k}: {v['forward']:.2f} / {v['forward_backward']:.2f}" for k, v in flat["by_top_k"].items())
+    lines.append(f"\nIndex dispatch time at E={e_hi} over E={e_lo} (forward / forward+backward): {parts}.\n")
+    skipped = [c for c in d["cases"] if "onehot_skipped" in c]
+    for c in skipped:
+        lines.append(f"One-hot skipped at E={c['num_experts']}, k={c['top_k']}: {c['onehot_skipped']}.\n")
+    return "\n\n".join(block.strip("\n") for block in lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and few runs (smoke test, < 1 min)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON output; the Markdown table goes next to it as .md (default {DEFAULT_OUT}, "
+                             "or a _quick variant with --quick)")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    out = args.out or (DEFAULT_OUT.with_name("moe_layer_cpu_quick.json") if args.quick else DEFAULT_OUT)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    start = time.perf_counter()
+    log(f"moe_layer benchmark ({'quick' if args.quick else 'full'}) on {jax.default_backend()}")
+    layer = bench_layer(settings)
+    log(f"  layer: forward layer/floor {layer['forward']['layer_over_floor']:.2f}, forward+backward "
+        f"{layer['forward_backward']['layer_over_floor']:.2f} ({time.perf_counter() - start:.1f} s)")
+    dispatch = bench_dispatch(settings, log)
+    result = {
+        "benchmark": "moe_layer",
+        "quick": args.quick,
+        "machine": machine_info(),
+        "settings": dataclasses.asdict(settings),
+        "timing": "median of interleaved runs after one compiling call and one warm-up call; "
+                  "jax.block_until_ready around each call",
+        "layer": layer,
+        "dispatch": dispatch,
+        "wall_time_s": None,
+    }
+    result["wall_time_s"] = round(time.perf_counter() - start, 1)
+    markdown = render_markdown(result)
+    write_json(out, result)
+    write_text(out.with_suffix(".md"), markdown)
+    log("\n" + markdown)
+    log(f"wrote {out} and {out.with_suffix('.md')} ({result['wall_time_s']} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,665 @@
+"""Read and write PyTorch ``torch.save`` zip checkpoints without importing torch.
+
+Since torch 1.6, ``torch.save`` writes a zip archive whose entries all live
+under one top folder (the file stem, e.g. ``state_dict/``):
+
+* ``<top>/data.pkl`` -- a pickle of the saved object. Tensors are pickled as
+  ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` and
+  every storage is a *persistent id*
+  ``('storage', torch.FloatStorage, key, location, numel)``;
+* ``<top>/data/<key>`` -- the raw little-endian bytes of each storage;
+* ``<top>/byteorder``, ``<top>/version`` and a few bookkeeping records.
+
+:func:`load_torch_file` unpickles ``data.pkl`` with a restricted unpickler that
+only resolves the handful of globals a state dict needs, so no code from the
+file is ever executed, and returns a flat ``dict[str, np.ndarray]``.
+:func:`save_torch_file` writes the same layout (uncompressed, 64-byte aligned
+records, like torch) so that ``torch.load(path, weights_only=True)`` reads it
+back as an ``OrderedDict[str, Tensor]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import secrets
+import struct
+import sys
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "CheckpointFormatError",
+    "UnsafeCheckpointError",
+    "load_torch_file",
+    "save_torch_file",
+]
+
+
+class CheckpointFormatError(ValueError):
+    """The file is not a readable ``torch.save`` zip checkpoint."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """The checkpoint's pickle references a global outside the allow-list."""
+
+
+# torch's typed storage class names <-> numpy dtypes. torch pickles the storage
+# type as a global such as ``torch.FloatStorage`` inside each persistent id.
+_STORAGE_DTYPES: dict[str, np.dtype] = {
+    "FloatStorage": np.dtype(np.float32),
+    "DoubleStorage": np.dtype(np.float64),
+    "HalfStorage": np.dtype(np.float16),
+    "BFloat16Storage": np.dtype(ml_dtypes.bfloat16),
+    "LongStorage": np.dtype(np.int64),
+    "IntStorage": np.dtype(np.int32),
+    "ShortStorage": np.dtype(np.int16),
+    "CharStorage": np.dtype(np.int8),
+    "ByteStorage": np.dtype(np.uint8),
+    "BoolStorage": np.dtype(np.bool_),
+}
+
+# torch aligns every record's data to this many bytes (``.storage_alignment``).
+_ALIGNMENT = 64
+# Version of the zip layout torch >= 1.10 writes (``<top>/version``).
+_ARCHIVE_VERSION = b"3\n"
+# Items per MARK ... SETITEMS batch, as the stdlib pickler does.
+_SETITEMS_BATCH = 1000
+
+
+class _FormatProblem(Exception):
+    """Internal: a format problem found before the file path is attached."""
+
+
+# --------------------------------------------------------------------------
+# Reader
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """Stand-in returned by ``find_class`` for ``torch.<X>Storage`` globals."""
+
+    name: str
+    dtype: np.dtype | None  # None: a torch storage type whose dtype is unsupported
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    """A storage named by a persistent id; its bytes are read lazily."""
+
+    key: str
+    dtype: np.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    """A tensor view on a storage, as passed to ``_rebuild_tensor_v2``."""
+
+    storage: _StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    """Validate a pickled ``size``/``stride`` tuple of non-negative ints."""
+    if not isinstance(value, (tuple, list)):
+        raise _FormatProblem(f"tensor {what} is {type(value).__name__}, expected a tuple")
+    for item in value:
+        # bool is an int subclass but never a valid size; reject it explicitly.
+        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+            raise _FormatProblem(f"tensor {what} {value!r} is not a tuple of non-negative ints")
+    return tuple(value)
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> _TensorRecord:
+    """Safe replacement for ``torch._utils._rebuild_tensor_v2``.
+
+    Records the view; gradients, hooks and metadata are irrelevant to weights.
+    """
+    del requires_grad, backward_hooks, metadata
+    if not isinstance(storage, _StorageRef):
+        raise _FormatProblem(f"tensor storage is {type(storage).__name__}, expected a persistent storage id")
+    if not isinstance(storage_offset, int) or isinstance(storage_offset, bool) or storage_offset < 0:
+        raise _FormatProblem(f"tensor storage offset {storage_offset!r} is not a non-negative int")
+    size_t = _int_tuple(size, "size")
+    stride_t = _int_tuple(stride, "stride")
+    if len(size_t) != len(stride_t):
+        raise _FormatProblem(f"tensor size {size_t} and stride {stride_t} have different ranks")
+    return _TensorRecord(storage, storage_offset, size_t, stride_t)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None) -> _TensorRecord:
+    """Safe replacement for ``torch._utils._rebuild_parameter``: a Parameter is its data."""
+    del requires_grad, backward_hooks
+    if not isinstance(data, _TensorRecord):
+        raise _FormatProblem(f"parameter data is {type(data).__name__}, expected a tensor")
+    return data
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """The only globals a state-dict pickle may reference, mapped to safe stand-ins."""
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    }
+    for name, dtype in _STORAGE_DTYPES.items():
+        allowed[("torch", name)] = _StorageType(name, dtype)
+    return allowed
+
+
+_ALLOWED_GLOBALS = _allowed_globals()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only allow-listed globals and never runs file code.
+
+    Every way a pickle can reach a callable (GLOBAL, STACK_GLOBAL, INST, OBJ,
+    EXT*) goes through ``find_class``, so refusing there is sufficient.
+    """
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            pass
+        if module == "torch" and name.endswith("Storage") and name.isidentifier():
+            # An inert marker, never the real class: lets persistent_load report
+            # an unsupported dtype (e.g. ComplexFloatStorage) as a format error.
+            return _StorageType(name, None)
+        raise UnsafeCheckpointError(
+            f"{self._path}: refusing to load global '{module}.{name}' from the checkpoint pickle; "
+            "only tensors, storages and OrderedDict are allowed"
+        )
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise _FormatProblem(f"unsupported persistent id {pid!r:.200}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise _FormatProblem(f"persistent id names {storage_type!r:.100} instead of a storage type")
+        if storage_type.dtype is None:
+            supported = ", ".join(f"torch.{name}" for name in _STORAGE_DTYPES)
+            raise _FormatProblem(f"unsupported dtype storage 'torch.{storage_type.name}'; supported: {supported}")
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise _FormatProblem(f"malformed storage persistent id {pid!r:.200}")
+        return _StorageRef(key, storage_type.dtype, numel)
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    """Flatten nested dicts/lists into ``out`` with '.'-joined keys.
+
+    Leaves kept: tensors, and ints/floats/bools (as 0-d arrays). ``None``,
+    strings and bytes are skipped: they carry no weights.
+    """
+    if isinstance(obj, dict):
+        # dict.items, not obj.items: an unpickled BUILD may shadow attributes.
+        items: Iterator[tuple[Any, Any]] = iter(dict.items(obj))
+    elif isinstance(obj, (list, tuple)):
+        items = iter(enumerate(obj))
+    else:
+        _add_leaf(obj, prefix, out)
+        return
+    for key, value in items:
+        # int keys occur in optimizer state ({0: {...}}); torch module names are str.
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise _FormatProblem(f"key {key!r:.100} under {prefix or '<top level>'!r} is not a string")
+        _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+
+
+def _add_leaf(value: Any, key: str, out: dict[str, Any]) -> None:
+    """Store one leaf value under ``key`` (see :func:`_flatten`)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return
+    if isinstance(value, _TensorRecord):
+        leaf: Any = value
+    elif isinstance(value, bool):
+        leaf = np.asarray(value, dtype=np.bool_)
+    elif isinstance(value, int):
+        leaf = np.asarray(value, dtype=np.int64)
+    elif isinstance(value, float):
+        leaf = np.asarray(value, dtype=np.float64)
+    else:
+        raise _FormatProblem(f"unsupported value of type {type(value).__name__} at key {key!r}")
+    if key in out:
+        raise _FormatProblem(f"key {key!r} occurs twice after flattening nested mappings")
+    out[key] = leaf
+
+
+def _find_top_folder(zf: zipfile.ZipFile) -> str:
+    """Return the archive's top folder: the one holding ``data.pkl``."""
+    tops = sorted({name.split("/", 1)[0] for name in zf.namelist() if name.count("/") == 1 and name.endswith("/data.pkl")})
+    if not tops:
+        raise _FormatProblem("zip archive has no '<top>/data.pkl' entry; not a torch.save checkpoint")
+    if len(tops) > 1:
+        raise _FormatProblem(f"zip archive has several data.pkl entries under {tops}")
+    return tops[0]
+
+
+def _check_byteorder(zf: zipfile.ZipFile, top: str) -> None:
+    """Refuse big-endian archives (only written by torch on big-endian hosts)."""
+    try:
+        raw = zf.read(f"{top}/byteorder")
+    except KeyError:
+        return  # torch < 1.12 wrote no byteorder record; those files are little-endian
+    order = raw.decode("ascii", errors="replace").strip()
+    if order == "big":
+        raise _FormatProblem("checkpoint was written big-endian (byteorder 'big'); only little-endian is supported")
+    if order != "little":
+        raise _FormatProblem(f"unknown byteorder record {order!r}")
+
+
+def _storage_array(zf: zipfile.ZipFile, top: str, ref: _StorageRef) -> np.ndarray:
+    """Read one storage's bytes as a flat read-only array of its dtype."""
+    name = f"{top}/data/{ref.key}"
+    try:
+        raw = zf.read(name)
+    except KeyError:
+        raise _FormatProblem(f"storage {ref.key!r} is referenced by data.pkl but entry {name!r} is missing") from None
+    itemsize = ref.dtype.itemsize
+    if len(raw) % itemsize or len(raw) < ref.numel * itemsize:
+        raise _FormatProblem(
+            f"storage entry {name!r} has {len(raw)} bytes, expected {ref.numel} x {itemsize}-byte {ref.dtype} elements"
+        )
+    if ref.dtype == np.bool_:
+        # torch writes 0/1 bytes; normalise anything else instead of making odd bools.
+        return np.frombuffer(raw, dtype=np.uint8) != 0
+    flat = np.frombuffer(raw, dtype=ref.dtype)
+    if sys.byteorder != "little" and itemsize > 1:
+        flat = flat.byteswap()
+    return flat
+
+
+def _materialize(flat: np.ndarray, record: _TensorRecord, key: str) -> np.ndarray:
+    """Build an owned array for ``record`` from its storage (torch's view semantics)."""
+    dtype = record.storage.dtype
+    if 0 in record.size:
+        return np.empty(record.size, dtype=dtype)
+    last = record.offset + sum((n - 1) * s for n, s in zip(record.size, record.stride, strict=True))
+    if last >= flat.size:
+        raise _FormatProblem(
+            f"tensor {key!r} (offset {record.offset}, size {record.size}, stride {record.stride}) "
+            f"reads element {last} but storage {record.storage.key!r} holds only {flat.size}"
+        )
+    view = np.lib.stride_tricks.as_strided(
+        flat[record.offset :],
+        shape=record.size,
+        strides=tuple(s * flat.itemsize for s in record.stride),
+        writeable=False,
+    )
+    # A fresh C-contiguous copy: owned, writable and independent of the zip bytes.
+    return np.array(view, dtype=dtype, order="C", copy=True)
+
+
+def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Turn tensor records into arrays, reading each storage once and then dropping it."""
+    by_storage: dict[str, list[str]] = collections.defaultdict(list)
+    for key, leaf in leaves.items():
+        if isinstance(leaf, _TensorRecord):
+            by_storage[leaf.storage.key].append(key)
+    arrays: dict[str, np.ndarray] = {}
+    for keys in by_storage.values():
+        flat = _storage_array(zf, top, leaves[keys[0]].storage)
+        for key in keys:
+            record = leaves[key]
+            if record.storage.dtype != leaves[keys[0]].storage.dtype:
+                raise _FormatProblem(f"storage {record.storage.key!r} is used with two dtypes")
+            arrays[key] = _materialize(flat, record, key)
+        del flat  # bound peak memory to one storage's bytes at a time
+    # Preserve the checkpoint's key order.
+    return {key: arrays[key] if isinstance(leaf, _TensorRecord) else leaf for key, leaf in leaves.items()}
+
+
+def _read_checkpoint(zf: zipfile.ZipFile, path: str) -> dict[str, np.ndarray]:
+    """Unpickle ``data.pkl`` safely and materialise every tensor."""
+    top = _find_top_folder(zf)
+    _check_byteorder(zf, top)
+    with zf.open(f"{top}/data.pkl") as pkl:
+        obj = _RestrictedUnpickler(pkl, path).load()
+    if not isinstance(obj, dict):
+        raise _FormatProblem(f"data.pkl holds a {type(obj).__name__}, expected a dict of tensors (a state dict)")
+    leaves: dict[str, Any] = {}
+    _flatten(obj, "", leaves)
+    return _materialize_all(zf, top, leaves)
+
+
+def _describe_non_zip(path: str) -> str:
+    """Explain why a file that is not a zip archive cannot be read."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if not head:
+        return "file is empty"
+    if head == b"PK\x03\x04":
+        return "zip archive is truncated or corrupt (its central directory is missing)"
+    if head[:1] == b"\x80":
+        # The legacy (torch < 1.6 or _use_new_zipfile_serialization=False)
+        # format starts with a pickled magic number.
+        return "not a zip archive; looks like the legacy non-zip torch.save format, which is not supported"
+    return "not a zip archive (torch.save writes zip archives); the file may be truncated or corrupt"
+
+
+# Exceptions the stdlib raises on malformed input; all become CheckpointFormatError.
+_MALFORMED_INPUT_ERRORS = (
+    _FormatProblem,
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    pickle.UnpicklingError,
+    zlib.error,
+    struct.error,
+    EOFError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    ValueError,
+    OverflowError,
+    UnicodeDecodeError,
+    RecursionError,
+    NotImplementedError,
+)
+
+
+def load_torch_file(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Load a ``torch.save`` zip checkpoint of tensors as numpy arrays, without torch.
+
+    Args:
+        path: a file written by ``torch.save`` (torch >= 1.6 zip format), or by
+            :func:`save_torch_file`.
+
+    Returns:
+        A dict in the checkpoint's key order mapping names to owned, C-contiguous
+        numpy arrays with torch's dtype (bfloat16 as ``ml_dtypes.bfloat16``);
+        0-d tensors become 0-d arrays. Nested dicts (e.g. ``{"model": {...}}``)
+        and lists are flattened with '.'-joined keys (``"model.fc.weight"``,
+        ``"layers.0.w"``). Non-tensor leaves: ints, floats and bools become 0-d
+        int64/float64/bool arrays; ``None``, strings and bytes are skipped.
+
+    Raises:
+        UnsafeCheckpointError: the pickle references any global other than
+            ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``,
+            ``torch._utils._rebuild_parameter`` or a ``torch.<X>Storage`` type.
+        CheckpointFormatError: the file is missing or unreadable, not a zip,
+            truncated or otherwise malformed, uses an unsupported dtype (e.g.
+            ``torch.ComplexFloatStorage``) or byte order, or does not hold a
+            dict; the message names the file.
+    """
+    path_str = os.fspath(path)
+    if not os.path.isfile(path_str):
+        raise CheckpointFormatError(f"{path_str}: checkpoint file does not exist (or is not a regular file)")
+    try:
+        if not zipfile.is_zipfile(path_str):
+            raise _FormatProblem(_describe_non_zip(path_str))
+        with zipfile.ZipFile(path_str) as zf:
+            return _read_checkpoint(zf, path_str)
+    except (UnsafeCheckpointError, CheckpointFormatError):
+        raise
+    except OSError as exc:
+        raise CheckpointFormatError(f"{path_str}: cannot read checkpoint: {exc}") from exc
+    except _MALFORMED_INPUT_ERRORS as exc:
+        detail = str(exc) if isinstance(exc, _FormatProblem) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointFormatError(f"{path_str}: malformed torch checkpoint: {detail}") from exc
+
+
+# --------------------------------------------------------------------------
+# Writer
+# --------------------------------------------------------------------------
+
+
+def _storage_name(dtype: np.dtype) -> str:
+    """Map a numpy dtype to torch's typed storage class name, or raise TypeError."""
+    if dtype == np.dtype(ml_dtypes.bfloat16):
+        return "BFloat16Storage"
+    for name, storage_dtype in _STORAGE_DTYPES.items():
+        # Compare kind/size, so that explicitly byte-ordered dtypes ('>f4') match too.
+        if storage_dtype.kind in "biuf" and (dtype.kind, dtype.itemsize) == (storage_dtype.kind, storage_dtype.itemsize):
+            return name
+    supported = "float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8, bool"
+    raise TypeError(f"unsupported dtype {dtype} for a torch checkpoint; supported: {supported}")
+
+
+def _to_little_endian(array: np.ndarray) -> np.ndarray:
+    """C-contiguous, little-endian copy-if-needed of ``array``, as torch stores it."""
+    if array.dtype.kind in "iuf" and array.dtype.itemsize > 1:
+        array = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    return np.asarray(array, order="C")
+
+
+def _prepare_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, np.ndarray, str]]:
+    """Validate names and dtypes up front, so bad input never creates a file."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of str to arrays, got {type(tensors).__name__}")
+    prepared = []
+    for key, value in tensors.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor names must be str, got {key!r}")
+        array = np.asarray(value)  # jax.Array -> host numpy array
+        storage = _storage_name(array.dtype)
+        prepared.append((key, _to_little_endian(array), storage))
+    return prepared
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor, computed as torch does (max(size, 1))."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _PickleWriter:
+    """Emits the protocol-2 opcodes torch's own pickler produces for a state dict.
+
+    Written by hand because the stdlib pickler insists on importing every
+    global it writes, and torch is deliberately not imported here.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = [pickle.PROTO + bytes([2])]
+
+    def emit(self, data: bytes) -> None:
+        """Append raw opcodes."""
+        self._parts.append(data)
+
+    def global_(self, module: str, name: str) -> None:
+        self.emit(pickle.GLOBAL + f"{module}\n{name}\n".encode("ascii"))
+
+    def str_(self, text: str) -> None:
+        data = text.encode("utf-8", errors="surrogatepass")
+        self.emit(pickle.BINUNICODE + struct.pack("<I", len(data)) + data)
+
+    def int_(self, value: int) -> None:
+        # Let the stdlib choose BININT1/BININT2/BININT/LONG1; ints are never memoized.
+        self.emit(pickle.dumps(value, protocol=2)[2:-1])
+
+    def int_tuple(self, values: tuple[int, ...]) -> None:
+        self.emit(pickle.MARK)
+        for value in values:
+            self.int_(value)
+        self.emit(pickle.TUPLE)
+
+    def empty_ordered_dict(self) -> None:
+        """``OrderedDict()``, which torch pickles as the (empty) backward hooks."""
+        self.global_("collections", "OrderedDict")
+        self.emit(pickle.EMPTY_TUPLE + pickle.REDUCE)
+
+    def tensor(self, storage_type: str, key: str, array: np.ndarray) -> None:
+        """``_rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())``."""
+        self.global_("torch._utils", "_rebuild_tensor_v2")
+        self.emit(pickle.MARK)
+        # Persistent id ('storage', torch.<X>Storage, key, 'cpu', numel).
+        self.emit(pickle.MARK)
+        self.str_("storage")
+        self.global_("torch", storage_type)
+        self.str_(key)
+        self.str_("cpu")
+        self.int_(array.size)
+        self.emit(pickle.TUPLE + pickle.BINPERSID)
+        self.int_(0)  # storage offset
+        self.int_tuple(array.shape)
+        self.int_tuple(_contiguous_strides(array.shape))
+        self.emit(pickle.NEWFALSE)  # requires_grad
+        self.empty_ordered_dict()
+        self.emit(pickle.TUPLE + pickle.REDUCE)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._parts) + pickle.STOP
+
+
+def _state_dict_pickle(prepared: list[tuple[str, np.ndarray, str]]) -> bytes:
+    """Pickle an ``OrderedDict`` of tensors; storage keys are '0', '1', ..."""
+    writer = _PickleWriter()
+    writer.empty_ordered_dict()
+    for start in range(0, len(prepared), _SETITEMS_BATCH):
+        writer.emit(pickle.MARK)
+        for index, (name, array, storage) in enumerate(prepared[start : start + _SETITEMS_BATCH], start):
+            writer.str_(name)
+            writer.tensor(storage, str(index), array)
+        writer.emit(pickle.SETITEMS)
+    return writer.getvalue()
+
+
+def _write_aligned(zf: zipfile.ZipFile, fh: Any, name: str, data: Any) -> None:
+    """Write one uncompressed entry whose data starts on a 64-byte boundary.
+
+    Like torch, pad the local header's extra field with an ``FB`` record full of
+    'Z's; aligned records are what torch's ``mmap=True`` loading expects.
+    """
+    payload = memoryview(data).cast("B")
+    zinfo = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    zinfo.compress_type = zipfile.ZIP_STORED
+    zinfo.external_attr = 0o644 << 16
+    zinfo.file_size = payload.nbytes
+    zinfo.compress_size = zinfo.CRC = 0  # placeholders; zipfile fills them in after writing
+    # Same rule zipfile applies when opening an entry for writing.
+    zip64 = payload.nbytes * 1.05 > zipfile.ZIP64_LIMIT
+    header_len = len(zinfo.FileHeader(zip64))
+    padding = (-(fh.tell() + header_len + 4)) % _ALIGNMENT
+    zinfo.extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding
+    with zf.open(zinfo, "w", force_zip64=zip64) as entry:
+        entry.write(payload)
+
+
+def _write_archive(fh: Any, prepared: list[tuple[str, np.ndarray, str]], top: str) -> None:
+    """Write the zip layout of ``torch.save``, in torch's record order."""
+    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        _write_aligned(zf, fh, f"{top}/data.pkl", _state_dict_pickle(prepared))
+        _write_aligned(zf, fh, f"{top}/.format_version", b"1")
+        _write_aligned(zf, fh, f"{top}/.storage_alignment", str(_ALIGNMENT).encode("ascii"))
+        _write_aligned(zf, fh, f"{top}/byteorder", b"little")
+        for index, (_, array, _) in enumerate(prepared):
+            # reshape(-1) makes 0-d arrays viewable as bytes; bool/bf16 views are plain bytes.
+            _write_aligned(zf, fh, f"{top}/data/{index}", array.reshape(-1).view(np.uint8))
+        _write_aligned(zf, fh, f"{top}/version", _ARCHIVE_VERSION)
+        # torch writes a 40-digit id that is unique per save; its value is never checked.
+        serialization_id = f"{secrets.randbelow(10**40):040d}".encode("ascii")
+        _write_aligned(zf, fh, f"{top}/.data/serialization_id", serialization_id)
+
+
+def _create_temp_file(target: Path) -> tuple[Path, int]:
+    """Create an exclusive temp file next to ``target``.
+
+    ``os.open`` with mode 0o666 lets the umask decide the permissions, so the
+    final file gets the same mode a plain ``open(path, 'wb')`` would give it.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return temp, os.open(temp, flags, 0o666)
+        except FileExistsError:
+            continue
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Persist the rename itself; best effort, as not every OS can fsync a directory."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Run ``write(fh)`` on a temp file, fsync it, then rename it over ``path``.
+
+    On any error the temp file is removed and an existing ``path`` is untouched.
+    """
+    temp, fd = _create_temp_file(path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _default_archive_name(path: Path) -> str:
+    """torch names the top folder after the file stem (``model.pt`` -> ``model``)."""
+    return path.stem or "archive"
+
+
+def save_torch_file(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, Any],
+    *,
+    archive_name: str | None = None,
+) -> None:
+    """Write ``tensors`` as a ``torch.save`` zip checkpoint, without torch.
+
+    ``torch.load(path, weights_only=True)`` returns an ``OrderedDict`` with the
+    same names, dtypes, shapes and values. Each tensor gets its own contiguous
+    storage. The file is written atomically: a temp file in the same directory
+    is fsynced and renamed over ``path``.
+
+    Args:
+        path: destination file; its directory must exist.
+        tensors: names to numpy arrays or ``jax.Array``s (converted with
+            ``np.asarray``) of dtype float32, float64, float16, bfloat16, int64,
+            int32, int16, int8, uint8 or bool; 0-d and empty arrays are fine.
+        archive_name: the zip's top folder; defaults to the file stem, as torch.
+
+    Raises:
+        TypeError: a name is not a str, or a dtype is unsupported.
+        ValueError: ``archive_name`` is not a plain folder name.
+        OSError: the file cannot be written (``path`` is then unchanged).
+    """
+    target = Path(os.fspath(path))
+    top = _default_archive_name(target) if archive_name is None else archive_name
+    if not top or top in (".", "..") or "/" in top or "\\" in top:
+        raise ValueError(f"archive_name must be a plain folder name, got {top!r}")
+    prepared = _prepare_tensors(tensors)
+    _atomic_write(target, lambda fh: _write_archive(fh, prepared, top))

@@ -1,0 +1,198 @@
+"""`MoE`: the Flax NNX module, a thin stateful wrapper over `layer.moe_apply`.
+
+The constructor takes Tutel's `moe_layer` arguments; calling it returns the output and records the aux loss
+and routing statistics of the call (`layer.l_aux`, `layer.dispatch_count`, `layer.capacity`,
+`layer.dropped_fraction`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .checkpoint import tutel_format
+from .config import MoEConfig, make_config
+from .layer import MoEAux, init_params, moe_apply
+
+__all__ = ["MoE", "RoutingStat"]
+
+
+class RoutingStat(nnx.Variable):
+    """Non-trainable record of the last call's routing (aux loss, counts, capacity, drops)."""
+
+
+def _unbox(tree):
+    return jax.tree.map(lambda v: v[...], tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+class MoE(nnx.Module):
+    """Tutel's MoE layer as a Flax NNX module.
+
+    Example::
+
+        layer = MoE(gate_type={'type': 'top', 'k': 2}, model_dim=512,
+                    experts={'type': 'ffn', 'count_per_node': 8, 'hidden_size_per_expert': 2048},
+                    rngs=nnx.Rngs(0))
+        y = layer(x)                      # x [..., 512] -> y [..., 512]
+        loss = task_loss(y) + 0.01 * layer.l_aux
+
+    Args mirror Tutel's `moe_layer`: gate_type (dict or list of dicts), model_dim, experts (dict with type,
+    count_per_node / num_experts_per_device, hidden_size_per_expert, activation_fn, ...), scan_expert_func,
+    result_func, group (must be None on one device), seeds (gate seed, expert seed, noise seed),
+    a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
+    parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds).
+    The layer starts in training mode (gate noise on), like a torch module; `.eval()` turns it off.
+    """
+
+    def __init__(
+        self,
+        gate_type: Any,
+        model_dim: int,
+        experts: Any = None,
+        scan_expert_func: Callable | None = None,
+        result_func: Callable | None = None,
+        group: Any = None,
+        seeds: tuple | None = None,
+        a2a_ffn_overlap_degree: int = 1,
+        is_postscore: bool = True,
+        batch_prioritized_routing: bool = False,
+        normalize_gate: bool = True,
+        is_gshard_loss: bool = True,
+        parallel_type: str = "adaptive:1",
+        use_2dh: bool = False,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        **kwargs: Any,
+    ):
+        if kwargs:
+            raise ValueError(f"unknown argument(s) to MoE / moe_layer: {sorted(kwargs)}")
+        if group is not None:
+            raise ValueError("group: expert parallelism over a mesh is not available on this layer; pass group=None")
+        self.config: MoEConfig = make_config(
+            gate_type, model_dim, experts, is_postscore=is_postscore,
+            batch_prioritized_routing=batch_prioritized_routing, normalize_gate=normalize_gate,
+            is_gshard_loss=is_gshard_loss, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree,
+            parallel_type=parallel_type, use_2dh=use_2dh, dtype=dtype, result_func=result_func)
+        if seeds is not None:
+            if len(seeds) < 2:
+                raise ValueError(f"seeds must be (gate seed, expert seed[, noise seed]), got {seeds!r}")
+            params = init_params(self.config, seeds=seeds)
+            noise_seed = int(seeds[2]) if len(seeds) > 2 and seeds[2] is not None else 0
+            rngs = nnx.Rngs(noise=noise_seed) if rngs is None else rngs
+        else:
+            rngs = nnx.Rngs(0) if rngs is None else rngs
+            params = init_params(self.config, rngs.params())
+        if scan_expert_func is not None:
+            for name, value in tutel_format.params_to_state_dict(params["experts"], 0, "experts.").items():
+                if not name.endswith(tutel_format.NUM_EXPERTS_KEY):
+                    scan_expert_func(name, value)
+        self.params = nnx.data(jax.tree.map(nnx.Param, params))
+        self.rngs = rngs
+        self.deterministic = False
+        num_experts = self.config.num_global_experts
+        self._l_aux = RoutingStat(jnp.zeros((), jnp.float32))
+        self._dispatch_count = RoutingStat(jnp.zeros((num_experts,), jnp.int32))
+        self._capacity = RoutingStat(jnp.zeros((), jnp.int32))
+        self._dropped_fraction = RoutingStat(jnp.zeros((), jnp.float32))
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def __call__(
+        self,
+        x: jax.Array,
+        top_k: int | None = None,
+        capacity_factor: float | None = None,
+        gate_index: int = 0,
+        a2a_ffn_overlap_degree: int | None = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> jax.Array:
+        """x [..., M] -> y [..., M_out] (same dtype); per-call overrides as in Tutel."""
+        deterministic = self.deterministic if deterministic is None else deterministic
+        gate = self.config.gate(gate_index)
+        rng = None
+        if not deterministic and gate.gate_noise > 0:
+            rng = self.rngs.noise() if "noise" in self.rngs else self.rngs()
+        y, aux = moe_apply(
+            _unbox(self.params), x, self.config, top_k=top_k, capacity_factor=capacity_factor,
+            gate_index=gate_index, rng=rng, deterministic=deterministic,
+            a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
+        self._record(aux)
+        return y
+
+    def _record(self, aux: MoEAux) -> None:
+        self._l_aux.set_value(aux.l_aux)
+        self._dispatch_count.set_value(aux.dispatch_count)
+        self._capacity.set_value(aux.capacity)
+        self._dropped_fraction.set_value(aux.dropped_fraction)
+
+    # -- routing statistics of the last call -----------------------------------------------------------------
+    @property
+    def l_aux(self) -> jax.Array:
+        """[] float32 load-balancing loss of the last call."""
+        return self._l_aux.get_value()
+
+    @property
+    def dispatch_count(self) -> jax.Array:
+        """[E] int32 assignments per expert in the last call, before dropping."""
+        return self._dispatch_count.get_value()
+
+    @property
+    def capacity(self) -> jax.Array:
+        """[] int32 capacity C used by the last call."""
+        return self._capacity.get_value()
+
+    @property
+    def dropped_fraction(self) -> jax.Array:
+        """[] float32 fraction of assignments dropped in the last call."""
+        return self._dropped_fraction.get_value()
+
+    # -- parameters ------------------------------------------------------------------------------------------
+    @property
+    def num_global_experts(self) -> int:
+        return self.config.num_global_experts
+
+    def param_tree(self) -> dict:
+        """The parameters as a plain pytree of arrays (the functional core's `params`)."""
+        return _unbox(self.params)
+
+    def get_parameter_iterator(self, param_type: str) -> Iterator[tuple[str, jax.Array]]:
+        """Tutel's iterator: ('gate', names under gates.*) or ('local_experts', names under experts.*)."""
+        groups = {"gate": "gates", "local_experts": "experts"}
+        if param_type not in groups:
+            raise ValueError(f"param_type must be one of {sorted(groups)}, got {param_type!r}")
+        section = groups[param_type]
+        state = tutel_format.params_to_state_dict({section: self.param_tree()[section]}, 0)
+        for name, value in state.items():
+            if name != tutel_format.NUM_EXPERTS_KEY:
+                yield name, value
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Tutel's state dict (host NumPy arrays) with Tutel's keys."""
+        return tutel_format.params_to_state_dict(self.param_tree(), self.config.num_global_experts)
+
+    def load_state_dict(self, source: str | os.PathLike | Mapping[str, Any], prefix: str | None = None) -> None:
+        """Loads a Tutel checkpoint: a `torch.save` file (read without torch) or a mapping of arrays.
+
+        Raises ValueError naming the key for a wrong expert count, a wrong shape, a missing or an unknown key,
+        and for files that are not valid checkpoints; the layer is unchanged when anything is wrong.
+        """
+        state = tutel_format.read_state_dict(source)
+        params = tutel_format.state_dict_to_params(state, self.param_tree(), self.config.num_global_experts, prefix)
+        jax.tree.map(lambda var, value: var.set_value(jnp.asarray(value)), self.params, params,
+                     is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def save_state_dict(self, path: str | os.PathLike) -> None:
+        """Writes `state_dict()` as a file Tutel's `torch.load` reads (atomically)."""
+        from .checkpoint.torch_zip import save_torch_file
+        save_torch_file(path, self.state_dict())
+
+    @staticmethod
+    def global_expert_count(num_local_experts: int, group: Any = None) -> int:
+        """Tutel's helper: E from experts per device on one device (negative: one shared expert)."""
+        return num_local_experts if num_local_experts > 0 else 1
