@@ -127,6 +127,9 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "python": sys.version.split()[0],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # large XLA:CPU temporaries come from malloc; its settings change the cost of page faults a lot
+        "allocator_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                  if k.startswith("MALLOC_") or k == "LD_PRELOAD"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

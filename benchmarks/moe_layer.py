@@ -92,33 +92,34 @@ def layer_config(s: Settings) -> MoEConfig:
 
 
 def bench_layer(s: Settings) -> dict[str, Any]:
-    """Times the layer, its expert floor, and the layer's routing and encode+decode parts alone."""
+    """Times the layer, its expert floor, and the layer's routing and encode+decode parts alone.
+
+    Every input is a jit argument (nothing large is closed over), so XLA cannot constant-fold any of it.
+    """
     config = layer_config(s)
     params = init_params(config, jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (s.batch, s.seq, s.model_dim), jnp.float32)
-    upstream = jax.random.normal(jax.random.key(2), (s.batch, s.seq, config.output_dim), jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (s.batch, s.seq, s.model_dim), jnp.float32)
+    upstream = jax.random.normal(keys[1], (s.batch, s.seq, config.output_dim), jnp.float32)
     tokens = x.reshape(-1, s.model_dim)
-
-    plan, _ = jax.jit(lambda p, t: route(p["gates"][0], t, config))(params, tokens)
-    capacity = plan.buffer_capacity
-    buf = jax.random.normal(jax.random.key(3), (s.num_experts, capacity, s.model_dim), jnp.float32)
-    buf_upstream = jax.random.normal(jax.random.key(4), (s.num_experts, capacity, config.output_dim), jnp.float32)
     token_upstream = upstream.reshape(-1, config.output_dim)
 
-    def layer_loss(p, x_):
-        y, aux = moe_apply(p, x_, config)
-        return jnp.sum(y * upstream) + 0.01 * aux.l_aux
+    plan, _ = jax.jit(lambda p, t: route(p, t, config))(params["gates"][0], tokens)
+    capacity = plan.buffer_capacity
+    buf = jax.random.normal(keys[2], (s.num_experts, capacity, s.model_dim), jnp.float32)
+    buf_upstream = jax.random.normal(keys[3], (s.num_experts, capacity, config.output_dim), jnp.float32)
+    slot_upstream = jax.random.normal(keys[4], (s.num_experts, capacity, s.model_dim), jnp.float32)
 
-    def floor_loss(expert_params, b):
-        return jnp.sum(config.experts.batched(expert_params, b) * buf_upstream)
+    def layer_loss(p, x_, u):
+        y, aux = moe_apply(p, x_, config)
+        return jnp.sum(y * u) + 0.01 * aux.l_aux
+
+    def floor_loss(expert_params, b, u):
+        return jnp.sum(config.experts.batched(expert_params, b) * u)
 
     def routing_loss(gate_params, t):  # gate matmul + softmax + top-k routing + aux loss, no data movement
         p, l_aux = route(gate_params, t, config)
         return jnp.sum(p.gates) + 0.01 * l_aux
-
-    def dispatch_loss(t, gates):  # encode + decode of the layer's plan, no experts
-        p = _with_gates(plan, gates)
-        return jnp.sum(fast_decode(fast_encode(t, p), p) * token_upstream)
 
     layer_fwd = jax.jit(lambda p, x_: moe_apply(p, x_, config))
     layer_bwd = jax.jit(jax.value_and_grad(layer_loss, argnums=(0, 1)))
@@ -126,8 +127,8 @@ def bench_layer(s: Settings) -> dict[str, Any]:
     floor_bwd = jax.jit(jax.value_and_grad(floor_loss, argnums=(0, 1)))
     routing_fwd = jax.jit(lambda p, t: route(p, t, config))
     routing_bwd = jax.jit(jax.value_and_grad(routing_loss, argnums=(0, 1)))
-    dispatch_fwd = jax.jit(lambda t, p: fast_decode(fast_encode(t, p), p))
-    dispatch_bwd = jax.jit(jax.value_and_grad(dispatch_loss, argnums=(0, 1)))
+    dispatch_fwd = jax.jit(index_dispatch)
+    dispatch_bwd = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
 
     gate_params = params["gates"][0]
     forward = time_interleaved({
@@ -137,10 +138,10 @@ def bench_layer(s: Settings) -> dict[str, Any]:
         "encode_decode": lambda: dispatch_fwd(tokens, plan),
     }, s.layer_runs, min_runs=s.min_runs)
     backward = time_interleaved({
-        "layer": lambda: layer_bwd(params, x),
-        "floor": lambda: floor_bwd(params["experts"], buf),
+        "layer": lambda: layer_bwd(params, x, upstream),
+        "floor": lambda: floor_bwd(params["experts"], buf, buf_upstream),
         "routing": lambda: routing_bwd(gate_params, tokens),
-        "encode_decode": lambda: dispatch_bwd(tokens, plan.gates),
+        "encode_decode": lambda: dispatch_bwd(tokens, plan.gates, plan, token_upstream, slot_upstream),
     }, s.layer_runs, min_runs=s.min_runs)
 
     def summary(t: dict[str, Timing]) -> dict[str, Any]:
@@ -185,58 +186,71 @@ def onehot_tensors(plan: RoutingPlan, dtype: Any = jnp.float32) -> tuple[jax.Arr
     return dispatch, combine
 
 
-def onehot_encode_decode(x: jax.Array, plan: RoutingPlan) -> jax.Array:
-    """One-hot einsum dispatch + combine of x [S, M] (postscore: gates applied at combine)."""
+def onehot_dispatch(x: jax.Array, plan: RoutingPlan) -> tuple[jax.Array, jax.Array]:
+    """One-hot einsum dispatch + combine of x [S, M] -> (buffer [E, C, M], tokens [S, M]); gates at combine."""
     dispatch, combine = onehot_tensors(plan, x.dtype)
     buf = jnp.einsum("sec,sm->ecm", dispatch, x)
-    return jnp.einsum("sec,ecm->sm", combine, buf)
+    return buf, jnp.einsum("sec,ecm->sm", combine, buf)
 
 
-def index_encode_decode(x: jax.Array, plan: RoutingPlan) -> jax.Array:
-    """Index-based dispatch + combine of x [S, M] (the library's fast_encode / fast_decode)."""
-    return fast_decode(fast_encode(x, plan), plan)
+def index_dispatch(x: jax.Array, plan: RoutingPlan) -> tuple[jax.Array, jax.Array]:
+    """Index-based dispatch + combine (the library's fast_encode / fast_decode) -> (buffer, tokens).
+
+    The buffer is returned, not only the tokens: otherwise XLA fuses decode(encode(x)) into a single gather from
+    x and the [E, C, M] buffer, which the experts need in a real layer, is never written.
+    """
+    buf = fast_encode(x, plan)
+    return buf, fast_decode(buf, plan)
 
 
-def _with_gates(plan: RoutingPlan, gates: jax.Array) -> RoutingPlan:
-    return dataclasses.replace(plan, gates=gates)
+DispatchFn = Callable[[jax.Array, RoutingPlan], tuple[jax.Array, jax.Array]]
+
+
+def dispatch_loss(fn: DispatchFn) -> Callable[..., jax.Array]:
+    """loss(x, gates, plan, token_upstream, slot_upstream) = <tokens, token_upstream> + <buffer, slot_upstream>.
+
+    Both ends of the buffer get a cotangent, as in a layer (the experts' backward feeds the buffer's, decode's
+    feeds the experts'); differentiate w.r.t. x (argnum 0) and the gates (argnum 1).
+    """
+    def loss(x, gates, plan, token_upstream, slot_upstream):
+        buf, y = fn(x, dataclasses.replace(plan, gates=gates))
+        return jnp.sum(y * token_upstream) + jnp.sum(buf * slot_upstream)
+    return loss
 
 
 def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, Any]:
-    """Times index vs one-hot encode+decode, forward and forward+backward, for one (E, k)."""
+    """Times index vs one-hot dispatch, forward and forward+backward, for one (E, k)."""
     num_tokens, dim = s.dispatch_tokens, s.dispatch_model_dim
-    logits = jax.random.normal(jax.random.key(10 + num_experts), (num_tokens, num_experts), jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1)
+    keys = jax.random.split(jax.random.key(10 + num_experts), 4)
+    scores = jax.nn.softmax(jax.random.normal(keys[0], (num_tokens, num_experts), jnp.float32), axis=-1)
     plan = jax.jit(lambda sc: top_k_routing(sc, top_k, s.capacity_factor))(scores)  # outside the timed region
     jax.block_until_ready(plan)
-    x = jax.random.normal(jax.random.key(11), (num_tokens, dim), jnp.float32)
-    upstream = jax.random.normal(jax.random.key(12), (num_tokens, dim), jnp.float32)
     cap = plan.buffer_capacity
+    x = jax.random.normal(keys[1], (num_tokens, dim), jnp.float32)
+    token_upstream = jax.random.normal(keys[2], (num_tokens, dim), jnp.float32)
+    slot_upstream = jax.random.normal(keys[3], (num_experts, cap, dim), jnp.float32)
     onehot_bytes = num_tokens * num_experts * cap * 4
     case: dict[str, Any] = {
         "num_experts": num_experts, "top_k": top_k, "effective_top_k": plan.top_k, "capacity": cap,
         "dropped_fraction": float(plan.dropped_fraction), "onehot_tensor_bytes": onehot_bytes,
     }
+    bwd_args = (x, plan.gates, plan, token_upstream, slot_upstream)
 
-    def loss_fn(fn: Callable[[jax.Array, RoutingPlan], jax.Array]):
-        def loss(x_, gates):
-            return jnp.sum(fn(x_, _with_gates(plan, gates)) * upstream)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-    index_fwd = jax.jit(index_encode_decode)
-    index_bwd = loss_fn(index_encode_decode)
+    index_fwd = jax.jit(index_dispatch)
+    index_bwd = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
     fwd = {"index": lambda: index_fwd(x, plan)}
-    bwd = {"index": lambda: index_bwd(x, plan.gates)}
+    bwd = {"index": lambda: index_bwd(*bwd_args)}
     if onehot_bytes > ONEHOT_MAX_BYTES:
         case["onehot_skipped"] = (f"one-hot combine tensor [S={num_tokens}, E={num_experts}, C={cap}] needs "
                                   f"{onehot_bytes / 2 ** 30:.1f} GiB > {ONEHOT_MAX_BYTES / 2 ** 30:.1f} GiB")
     else:
-        onehot_fwd = jax.jit(onehot_encode_decode)
-        onehot_bwd = loss_fn(onehot_encode_decode)
+        onehot_fwd = jax.jit(onehot_dispatch)
+        onehot_bwd = jax.jit(jax.value_and_grad(dispatch_loss(onehot_dispatch), argnums=(0, 1)))
         # the two implementations must agree before their times mean anything
-        np.testing.assert_allclose(np.asarray(index_fwd(x, plan)), np.asarray(onehot_fwd(x, plan)),
-                                   rtol=1e-4, atol=1e-4)
+        for a, b in zip(index_fwd(x, plan), onehot_fwd(x, plan)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
         fwd["onehot"] = lambda: onehot_fwd(x, plan)
-        bwd["onehot"] = lambda: onehot_bwd(x, plan.gates)
+        bwd["onehot"] = lambda: onehot_bwd(*bwd_args)
 
     for name, variants in (("forward", fwd), ("forward_backward", bwd)):
         t = time_interleaved(variants, s.dispatch_runs, min_runs=s.min_runs, time_budget_s=s.time_budget_s)
@@ -245,6 +259,24 @@ def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, 
             entry["speedup"] = t["onehot"].median_s / t["index"].median_s
         case[name] = entry
     return case
+
+
+def index_flatness(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per k: max / min of the index dispatch median over E, among the E where k is not clipped to E.
+
+    E * C = k * S for every E here, so the index work is the same and the ratio should stay near 1.
+    """
+    flatness = {}
+    for top_k in sorted({c["top_k"] for c in cases}):
+        same_k = [c for c in cases if c["top_k"] == top_k and c["effective_top_k"] == top_k]
+        if len(same_k) < 2:
+            continue
+        entry: dict[str, Any] = {"E": [c["num_experts"] for c in same_k]}
+        for phase in ("forward", "forward_backward"):
+            times = [c[phase]["timings"]["index"]["median_s"] for c in same_k]
+            entry[phase] = max(times) / min(times)
+        flatness[str(top_k)] = entry
+    return flatness
 
 
 def bench_dispatch(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
@@ -260,19 +292,11 @@ def bench_dispatch(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
                 f"{fmt_ratio(case['forward'].get('speedup', float('nan')))} fwd+bwd "
                 f"{fmt_ratio(case['forward_backward'].get('speedup', float('nan')))} "
                 f"({time.perf_counter() - start:.1f} s)")
-    flatness = {}
-    e_lo, e_hi = min(s.dispatch_experts), max(s.dispatch_experts)
-    for top_k in s.dispatch_top_ks:
-        by_e = {c["num_experts"]: c for c in cases if c["top_k"] == top_k}
-        flatness[str(top_k)] = {
-            phase: by_e[e_hi][phase]["timings"]["index"]["median_s"] / by_e[e_lo][phase]["timings"]["index"]["median_s"]
-            for phase in ("forward", "forward_backward")
-        }
     return {
         "config": {"tokens": s.dispatch_tokens, "model_dim": s.dispatch_model_dim,
                    "capacity_factor": s.capacity_factor, "dtype": "float32", "is_postscore": True},
         "cases": cases,
-        "index_time_ratio_largest_over_smallest_E": {"E": [e_lo, e_hi], "by_top_k": flatness},
+        "index_flatness_in_E": index_flatness(cases),
         "target_speedup_at_largest_case": DISPATCH_SPEEDUP_TARGET,
     }
 
@@ -289,11 +313,13 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Measured on {m['backend']} ({m['device_kind']}, {m['cpu_count']} CPUs), jax {m['jax_version']}, "
         f"{m['date']}{' (quick smoke run)' if result['quick'] else ''}. Median of interleaved runs "
-        f"(runs in brackets), compile excluded.\n",
+        f"(number of runs in parentheses), compile excluded, every input a jit argument. Allocator: "
+        f"{m['allocator_env'] or 'glibc malloc defaults'}.\n",
         f"**Layer vs expert floor**: {cfg['batch']}x{cfg['seq']} tokens, model_dim {cfg['model_dim']}, "
         f"hidden {cfg['hidden']}, {cfg['num_experts']} experts, top-{cfg['top_k']}, cf {cfg['capacity_factor']}, "
         f"C = {cfg['capacity']}, float32. Floor = `experts.batched` on the [E, C, M] buffer alone; routing = gate "
-        f"+ softmax + top-k routing + aux loss; encode+decode = `fast_encode` + `fast_decode`.\n",
+        f"+ softmax + top-k routing + aux loss; encode+decode = `fast_encode` + `fast_decode` with the buffer "
+        f"materialized (as `index` in the dispatch table below).\n",
     ]
     rows = []
     for phase, label in (("forward", "forward"), ("forward_backward", "forward+backward")):
@@ -313,9 +339,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     d = result["dispatch"]
     dc = d["config"]
     lines.append(
-        f"\n**Dispatch: index (`fast_encode`/`fast_decode`) vs one-hot einsum**: encode+decode of S = {dc['tokens']} "
-        f"tokens, M = {dc['model_dim']}, cf {dc['capacity_factor']}, float32; C = k * ceil(S / E) (k clipped to E). "
-        f"Forward+backward = `value_and_grad` w.r.t. x and the gates.\n")
+        f"**Dispatch: index (`fast_encode`/`fast_decode`) vs one-hot einsum** (combine tensor [S, E, C] built from "
+        f"the plan, `einsum('sec,sm->ecm')`, `einsum('sec,ecm->sm')`): S = {dc['tokens']} tokens, "
+        f"M = {dc['model_dim']}, cf {dc['capacity_factor']}, float32, C = k * ceil(S / E) (k clipped to E). "
+        f"Both return the [E, C, M] buffer and the combined tokens; forward+backward = `value_and_grad` of "
+        f"<tokens, u> + <buffer, v> w.r.t. x and the gates. Routing plan computed outside the timed region.")
     rows = []
     for c in d["cases"]:
         row = [c["num_experts"], c["top_k"] if c["effective_top_k"] == c["top_k"] else
@@ -332,10 +360,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines.append(markdown_table(
         ["E", "k", "C", "index fwd ms", "one-hot fwd ms", "speedup fwd", "index fwd+bwd ms", "one-hot fwd+bwd ms",
          "speedup fwd+bwd"], rows))
-    flat = d["index_time_ratio_largest_over_smallest_E"]
-    e_lo, e_hi = flat["E"]
-    parts = ", ".join(f"k={k}: {v['forward']:.2f} / {v['forward_backward']:.2f}" for k, v in flat["by_top_k"].items())
-    lines.append(f"\nIndex dispatch time at E={e_hi} over E={e_lo} (forward / forward+backward): {parts}.\n")
+    flat = d["index_flatness_in_E"]
+    parts = "; ".join(f"k={k} (E in {v['E']}): {v['forward']:.2f} / {v['forward_backward']:.2f}"
+                      for k, v in flat.items())
+    lines.append(f"Index dispatch flatness in E, max / min of its time over E at fixed k (forward / "
+                 f"forward+backward): {parts}.")
     skipped = [c for c in d["cases"] if "onehot_skipped" in c]
     for c in skipped:
         lines.append(f"One-hot skipped at E={c['num_experts']}, k={c['top_k']}: {c['onehot_skipped']}.\n")
@@ -367,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(),
         "settings": dataclasses.asdict(settings),
         "timing": "median of interleaved runs after one compiling call and one warm-up call; "
-                  "jax.block_until_ready around each call",
+                  "jax.block_until_ready around each call; all inputs passed as jit arguments",
         "layer": layer,
         "dispatch": dispatch,
         "wall_time_s": None,

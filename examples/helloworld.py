@@ -19,7 +19,7 @@ separate feature: here the number of experts is E = `--num_local_experts` on eve
 Differences from Tutel's script:
   * Defaults are small (batch 8 x 128 tokens per device, model_dim 256, hidden 1024, 4 experts, top-2,
     20 steps) so that a bare `python examples/helloworld.py` finishes in seconds on a laptop CPU.
-  * The optimizer is SGD with `--lr` (default 1e-2). Tutel uses lr = 1e-5, with which the loss barely moves;
+  * The optimizer is SGD with `--lr` (default 3e-4). Tutel uses lr = 1e-5, with which the loss barely moves;
     pass `--lr 1e-5` to reproduce that.
   * Each device gets its own slice of one global `x` of shape [batch_size * n_devices, num_tokens, model_dim]
     (Tutel's ranks all see the same x), and one replicated model (Tutel seeds the experts of rank r with
@@ -27,7 +27,8 @@ Differences from Tutel's script:
   * The loss (log_softmax + NLL) is computed in at least float32 even for 16-bit `--dtype`.
   * The perf figure uses the global token count (all devices); the summary averages the last
     min(10, num_steps) steps.
-  * `--checkpoint_path DIR` uses orbax (params + optimizer state + step counter) instead of `torch.save`.
+  * `--checkpoint_path DIR` uses orbax (params + optimizer state + step counter) instead of `torch.save`;
+    a resumed run numbers its steps from the restored step (STEP-<restored step>, ...).
   * `--plot PATH` writes a bar chart of the per-expert load (dispatch counts of the last step, per device).
 
 Example::
@@ -132,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp32_gate", action="store_true", help="compute the gate in float32")
     parser.add_argument("--num_steps", type=_int_at_least(1), default=20)
     parser.add_argument("--l_aux_wt", type=_finite_float, default=0.0, help="weight of the load-balancing loss")
-    parser.add_argument("--lr", type=_positive_float, default=1e-2,
-                        help="SGD learning rate (default 1e-2; Tutel's script uses 1e-5)")
+    parser.add_argument("--lr", type=_positive_float, default=3e-4,
+                        help="SGD learning rate (default 3e-4; Tutel's script uses 1e-5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input x (Tutel: torch.manual_seed(0))")
     parser.add_argument("--eval", action="store_true", help="forward only (no gradients, no update)")
     parser.add_argument("--checkpoint_path", type=str, default="",
@@ -234,17 +235,40 @@ def make_steps(mesh: Mesh, config: MoEConfig, optimizer: optax.GradientTransform
 def _checkpoint_manager(path: str):
     import orbax.checkpoint as ocp
     options = ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
-    return ocp.CheckpointManager(os.path.abspath(path), options=options)
+    return ocp.CheckpointManager(os.path.abspath(path), options=options,
+                                 item_handlers=ocp.StandardCheckpointHandler())
+
+
+def _check_shapes(stored: Any, expected: Any) -> None:
+    """Raises ValueError naming the first parameter whose stored shape differs from the model's."""
+    stored_leaves = dict(jax.tree_util.tree_flatten_with_path(
+        stored, is_leaf=lambda v: hasattr(v, "shape"))[0])
+    for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]:
+        name = jax.tree_util.keystr(path)
+        if path not in stored_leaves:
+            raise ValueError(f"the checkpoint has no parameter {name}")
+        have, want = tuple(stored_leaves[path].shape), tuple(leaf.shape)
+        if have != want:
+            raise ValueError(f"parameter {name} has shape {have} in the checkpoint but {want} in this model "
+                             "(were the size flags different when it was saved?)")
 
 
 def restore_checkpoint(path: str, state: dict) -> dict | None:
-    """Restores {'params', 'opt_state', 'step'} from the latest orbax checkpoint in `path`, or None if none."""
+    """Restores {'params', 'opt_state', 'step'} from the latest orbax checkpoint in `path`, or None if none.
+
+    Raises ValueError when the stored parameters do not fit the model.
+    """
     import orbax.checkpoint as ocp
     manager = _checkpoint_manager(path)
     try:
         step = manager.latest_step()
         if step is None:
             return None
+        metadata = manager.item_metadata(step)
+        tree = getattr(metadata, "tree", metadata)
+        if not isinstance(tree, dict) or "params" not in tree:
+            raise ValueError(f"step {step} does not hold a helloworld checkpoint (no 'params')")
+        _check_shapes(tree["params"], state["params"])
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         return manager.restore(step, args=ocp.args.StandardRestore(abstract))
     finally:
@@ -270,7 +294,7 @@ def plot_expert_load(path: str, dispatch_count: np.ndarray, capacity: np.ndarray
     import matplotlib.pyplot as plt
 
     num_devices, num_experts = dispatch_count.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * num_experts + 2.0), 3.5))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * num_experts + 2.0) + 2.5, 3.5))
     bottom = np.zeros(num_experts)
     for d in range(num_devices):
         ax.bar(np.arange(num_experts), dispatch_count[d], bottom=bottom, label=f"device {d}")
@@ -282,7 +306,7 @@ def plot_expert_load(path: str, dispatch_count: np.ndarray, capacity: np.ndarray
     ax.set_xticks(np.arange(num_experts))
     ax.set_title(title)
     if num_devices <= 8:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png")
@@ -337,8 +361,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         try:
             restored = restore_checkpoint(ckpt_dir, state)
         except Exception as err:  # wrong shapes / corrupt directory: stop with a readable message
-            print(f"error: cannot restore the checkpoint in `{ckpt_dir}` ({type(err).__name__}: {err})",
-                  file=sys.stderr)
+            message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"error: cannot restore the checkpoint in `{ckpt_dir}`: {message}", file=sys.stderr)
             raise SystemExit(1) from None
         if restored is None:
             print(f"Checkpoint not loaded: no checkpoint in `{ckpt_dir}`. Will train the model from start.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -97,7 +98,7 @@ def make_config(
     if experts is None:
         raise ValueError("experts must be given: a dict such as {'type': 'ffn', 'count_per_node': 2, "
                          "'hidden_size_per_expert': 1024} or an object with init() and batched()")
-    if isinstance(experts, dict):
+    if isinstance(experts, Mapping):
         spec = dict(experts)
         if "count_per_node" in spec and "num_experts_per_device" in spec:
             raise ValueError("experts: give only one of 'count_per_node' and 'num_experts_per_device'")

@@ -10,6 +10,7 @@ Any object with `init` and `batched` (and optionally `grouped`) works as a custo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
@@ -164,7 +165,7 @@ def register_experts(name: str, factory: Callable[..., Experts]) -> None:
     EXPERT_TYPES[name] = factory
 
 
-def make_experts(spec: dict) -> Experts:
+def make_experts(spec: Mapping) -> Experts:
     """Builds the expert network from Tutel's `experts` dict (placement keys are read elsewhere)."""
     kind = spec.get("type")
     if kind not in EXPERT_TYPES:

@@ -165,7 +165,7 @@ def moe_apply(
 
     Returns:
       (y, aux): y has x's shape (last dim the expert output dim) and dtype; aux is a MoEAux.
-      NaN in x propagates to the outputs of the tokens that share its experts' slots; it never raises.
+      A NaN token gives a NaN output row and a NaN aux loss; other tokens are unaffected; it never raises.
     """
     if x.ndim < 1 or x.shape[-1] != config.model_dim:
         raise ValueError(f"x must have shape [..., model_dim={config.model_dim}], got {tuple(x.shape)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
@@ -125,7 +126,7 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
             raise ValueError(f"gate_type[{index}]: unknown gate {spec!r}; expected a dict like "
                              "{'type': 'top', 'k': 2} or one of 'Top<k>Gate'")
         spec = {"type": "top", "k": int(match.group(1))}
-    if not isinstance(spec, dict):
+    if not isinstance(spec, Mapping):
         if isinstance(spec, Gate):
             return spec
         raise ValueError(f"gate_type[{index}] must be a dict with a 'type' key or an object with k, capacity_factor, "
