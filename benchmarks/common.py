@@ -3,15 +3,18 @@
 Timing protocol (`time_interleaved`):
   1. every variant is called once and blocked on (compile + first run, reported as `first_call_s`, excluded),
      then `warmup` more times, untimed;
-  2. the variants then run round-robin (A, B, A, B, ...) so that slow drifts of a noisy machine hit all of them
-     alike; each call is timed with `time.perf_counter` around `jax.block_until_ready`;
+  2. the variants then run in rounds (A, B, A, B, ...) so that slow drifts of a noisy machine hit all of them
+     alike; each call is timed with `time.perf_counter` around `jax.block_until_ready`; a fast variant makes one
+     untimed call at the start of its turn, so it is not timed right after a slow neighbour flushed its caches;
   3. each variant reports the median (and min, max, quartiles) of its timed runs and how many there were.
-A variant whose first call is slow gets fewer runs (`time_budget_s` per variant), but never fewer than
-`min_runs`, so every variant is measured.
+With a `time_budget_s` per variant, a slow variant gets fewer runs (never fewer than `min_runs`, so every
+variant is measured) and a fast one more (up to `max_runs`, several per round).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import datetime
 import json
@@ -26,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-__all__ = ["Timing", "time_interleaved", "machine_info", "write_json", "markdown_table", "write_text",
+__all__ = ["Timing", "time_interleaved", "tune_malloc", "machine_info", "write_json", "markdown_table", "write_text",
            "fmt_ms", "fmt_ratio", "repo_root"]
 
 
@@ -68,25 +71,34 @@ def time_interleaved(
     variants: dict[str, Callable[[], Any]],
     runs: int,
     *,
-    min_runs: int = 3,
     time_budget_s: float | None = None,
+    min_runs: int = 3,
+    max_runs: int | None = None,
     warmup: int = 1,
+    rewarm_below_s: float = 0.25,
 ) -> dict[str, Timing]:
-    """Times zero-argument callables round-robin and returns each one's statistics.
+    """Times zero-argument callables in interleaved rounds and returns each one's statistics.
 
     Args:
-      variants: name -> thunk returning JAX arrays (typically a jitted function closed over its inputs).
-      runs: timed runs per variant.
-      min_runs: lower bound on the runs of a variant cut by `time_budget_s`.
-      time_budget_s: optional wall-clock budget per variant for its timed runs; a variant whose last warm-up
-        call took more than budget / runs gets `max(min_runs, budget // call time)` runs.
+      variants: name -> thunk returning JAX arrays (typically a jitted function applied to fixed inputs).
+      runs: timed runs per variant when there is no `time_budget_s`.
+      time_budget_s: optional wall-clock budget per variant for its timed runs: a variant then gets
+        `budget // (its warm call time)` runs, clipped to [min_runs, max_runs].
+      min_runs: fewest runs of a variant cut by the budget.
+      max_runs: most runs of a fast variant under the budget (default `runs`).
       warmup: untimed calls of each variant after the compiling one (the last one sizes the budget).
+      rewarm_below_s: a variant faster than this makes one untimed call before its timed calls of each round,
+        so that it is timed after itself (warm caches) rather than right after a much slower neighbour.
+
+    The variants share R = min(runs) rounds; in each round a variant with n runs makes ceil(n / R) of them (at
+    most what it has left), so a fast variant with many runs is still spread over the whole period.
 
     Returns:
       name -> Timing, in the order of `variants`.
     """
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
+    max_runs = runs if max_runs is None else max_runs
     first_call = {name: _timed_call(fn) for name, fn in variants.items()}
     steady = dict(first_call)
     for _ in range(warmup):
@@ -95,12 +107,17 @@ def time_interleaved(
     wanted = {name: runs for name in variants}
     if time_budget_s is not None:
         for name in variants:
-            if steady[name] * runs > time_budget_s:
-                wanted[name] = max(min(min_runs, runs), int(time_budget_s // max(steady[name], 1e-9)))
+            fit = int(time_budget_s // max(steady[name], 1e-9))
+            wanted[name] = max(min(min_runs, max_runs), min(max_runs, fit))
+    rounds = min(wanted.values())
+    per_round = {name: -(-n // rounds) for name, n in wanted.items()}
     samples: dict[str, list[float]] = {name: [] for name in variants}
     while any(len(samples[name]) < wanted[name] for name in variants):
         for name, fn in variants.items():
-            if len(samples[name]) < wanted[name]:
+            todo = min(per_round[name], wanted[name] - len(samples[name]))
+            if todo > 0 and steady[name] < rewarm_below_s:
+                jax.block_until_ready(fn())
+            for _ in range(todo):
                 samples[name].append(_timed_call(fn))
     result = {}
     for name in variants:
@@ -111,6 +128,32 @@ def time_interleaved(
             first_call_s=first_call[name],
         )
     return result
+
+
+_ALLOCATOR = "system default"
+
+
+def tune_malloc(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> str:
+    """Makes glibc malloc keep and reuse freed memory instead of returning it to the kernel; returns a summary.
+
+    XLA:CPU takes its temporaries and outputs from malloc. With glibc's defaults a buffer of a few MiB or more
+    is often a fresh mmap, and first touching it costs a page fault per 4 KiB page: for a 16 MiB dispatch buffer
+    that is ~10-20 ms on a 2-core VM, several times the gather itself, and it comes and goes with the
+    allocator's history (bimodal timings). Raising the mmap and trim thresholds removes that noise. Call it
+    before the timed work; it is a no-op (returning "system default") where glibc's mallopt is unavailable.
+    """
+    global _ALLOCATOR
+    libc_name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(libc_name) if libc_name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    if mallopt is None or not (mallopt(m_mmap_threshold, mmap_threshold) and mallopt(m_trim_threshold, trim_threshold)):
+        return _ALLOCATOR
+    _ALLOCATOR = f"glibc mallopt(M_MMAP_THRESHOLD={mmap_threshold}, M_TRIM_THRESHOLD={trim_threshold})"
+    return _ALLOCATOR
 
 
 def machine_info() -> dict[str, Any]:
@@ -128,6 +171,7 @@ def machine_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         # large XLA:CPU temporaries come from malloc; its settings change the cost of page faults a lot
+        "allocator": _ALLOCATOR,
         "allocator_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                   if k.startswith("MALLOC_") or k == "LD_PRELOAD"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (Timing, fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,
-                               time_interleaved, write_json, write_text)
+                               time_interleaved, tune_malloc, write_json, write_text)
 from tutel_jax import fast_decode, fast_encode, init_params, make_config, moe_apply, top_k_routing
 from tutel_jax.config import MoEConfig
 from tutel_jax.layer import route
@@ -61,19 +61,22 @@ class Settings:
     top_k: int = 2
     capacity_factor: float = 1.0
     layer_runs: int = 15
+    layer_time_budget_s: float = 6.0
     dispatch_tokens: int = 2048
     dispatch_model_dim: int = 256
     dispatch_experts: tuple[int, ...] = (4, 16, 64, 256)
     dispatch_top_ks: tuple[int, ...] = (1, 2, 8)
     dispatch_runs: int = 15
-    # per variant wall-clock budget of the timed runs; a slower variant gets fewer (>= min_runs) runs
-    time_budget_s: float = 8.0
+    dispatch_time_budget_s: float = 8.0
+    # under a per-variant time budget, a slow variant gets fewer runs (>= min_runs), a fast one more (<= max_runs)
     min_runs: int = 3
+    max_runs: int = 60
 
 
 FULL = Settings()
-QUICK = Settings(batch=2, seq=512, layer_runs=3, dispatch_tokens=512, dispatch_experts=(4, 64),
-                 dispatch_top_ks=(1, 8), dispatch_runs=3, time_budget_s=1.0, min_runs=2)
+QUICK = Settings(batch=2, seq=512, layer_runs=3, layer_time_budget_s=0.5, dispatch_tokens=512,
+                 dispatch_experts=(4, 64), dispatch_top_ks=(1, 8), dispatch_runs=3, dispatch_time_budget_s=0.5,
+                 min_runs=2, max_runs=5)
 
 
 def _timings(results: dict[str, Timing]) -> dict[str, dict[str, Any]]:
@@ -131,18 +134,19 @@ def bench_layer(s: Settings) -> dict[str, Any]:
     dispatch_bwd = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
 
     gate_params = params["gates"][0]
+    timing = dict(runs=s.layer_runs, time_budget_s=s.layer_time_budget_s, min_runs=s.min_runs, max_runs=s.max_runs)
     forward = time_interleaved({
         "layer": lambda: layer_fwd(params, x),
         "floor": lambda: floor_fwd(params["experts"], buf),
         "routing": lambda: routing_fwd(gate_params, tokens),
         "encode_decode": lambda: dispatch_fwd(tokens, plan),
-    }, s.layer_runs, min_runs=s.min_runs)
+    }, **timing)
     backward = time_interleaved({
         "layer": lambda: layer_bwd(params, x, upstream),
         "floor": lambda: floor_bwd(params["experts"], buf, buf_upstream),
         "routing": lambda: routing_bwd(gate_params, tokens),
         "encode_decode": lambda: dispatch_bwd(tokens, plan.gates, plan, token_upstream, slot_upstream),
-    }, s.layer_runs, min_runs=s.min_runs)
+    }, **timing)
 
     def summary(t: dict[str, Timing]) -> dict[str, Any]:
         floor = t["floor"].median_s
@@ -253,7 +257,8 @@ def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, 
         bwd["onehot"] = lambda: onehot_bwd(*bwd_args)
 
     for name, variants in (("forward", fwd), ("forward_backward", bwd)):
-        t = time_interleaved(variants, s.dispatch_runs, min_runs=s.min_runs, time_budget_s=s.time_budget_s)
+        t = time_interleaved(variants, s.dispatch_runs, time_budget_s=s.dispatch_time_budget_s,
+                             min_runs=s.min_runs, max_runs=s.max_runs)
         entry: dict[str, Any] = {"timings": _timings(t)}
         if "onehot" in t:
             entry["speedup"] = t["onehot"].median_s / t["index"].median_s
@@ -314,7 +319,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Measured on {m['backend']} ({m['device_kind']}, {m['cpu_count']} CPUs), jax {m['jax_version']}, "
         f"{m['date']}{' (quick smoke run)' if result['quick'] else ''}. Median of interleaved runs "
         f"(number of runs in parentheses), compile excluded, every input a jit argument. Allocator: "
-        f"{m['allocator_env'] or 'glibc malloc defaults'}.\n",
+        f"{m['allocator']}{' (env ' + m['allocator_env'] + ')' if m['allocator_env'] else ''}.\n",
         f"**Layer vs expert floor**: {cfg['batch']}x{cfg['seq']} tokens, model_dim {cfg['model_dim']}, "
         f"hidden {cfg['hidden']}, {cfg['num_experts']} experts, top-{cfg['top_k']}, cf {cfg['capacity_factor']}, "
         f"C = {cfg['capacity']}, float32. Floor = `experts.batched` on the [E, C, M] buffer alone; routing = gate "
@@ -377,7 +382,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None,
                         help=f"JSON output; the Markdown table goes next to it as .md (default {DEFAULT_OUT}, "
                              "or a _quick variant with --quick)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's default malloc settings (page-fault noise on large buffers; see "
+                             "common.tune_malloc)")
     args = parser.parse_args(argv)
+    if not args.system_malloc:
+        tune_malloc()
     settings = QUICK if args.quick else FULL
     out = args.out or (DEFAULT_OUT.with_name("moe_layer_cpu_quick.json") if args.quick else DEFAULT_OUT)
 
@@ -395,8 +405,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": args.quick,
         "machine": machine_info(),
         "settings": dataclasses.asdict(settings),
-        "timing": "median of interleaved runs after one compiling call and one warm-up call; "
-                  "jax.block_until_ready around each call; all inputs passed as jit arguments",
+        "timing": "median of runs interleaved in rounds, after one compiling call and one warm-up call; a "
+                  "per-variant time budget sets the run count (min_runs..max_runs); jax.block_until_ready around "
+                  "each call; all inputs passed as jit arguments",
         "layer": layer,
         "dispatch": dispatch,
         "wall_time_s": None,

@@ -50,11 +50,11 @@ def _decode_impl(data, weights, slots):
     return out
 
 
-def _assignment_dots(a, b_rows_fn, weights, slots):
-    """[k, S] dot products <a[s], B[slot_j(s)]>, zero for dropped assignments."""
+def _assignment_dots(a, b, weights, slots):
+    """[k, S] dot products <a[s], b[slot_j(s)]>, zero for dropped assignments."""
     dots = []
     for j in range(weights.shape[0]):
-        rows = b_rows_fn(slots[j])
+        rows = jnp.take(b, slots[j], axis=0, mode="fill", fill_value=0)
         dots.append(jnp.sum(a.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1))
     return jnp.stack(dots).astype(weights.dtype)
 
@@ -82,7 +82,7 @@ def _encode_fwd(x, weights, slots, num_slots):
 def _encode_bwd(num_slots, res, g):
     x, weights, slots = res
     dx = _decode_impl(g, weights, slots).astype(x.dtype)
-    dw = _assignment_dots(x, lambda sl: jnp.take(g, sl, axis=0, mode="fill", fill_value=0), weights, slots)
+    dw = _assignment_dots(x, g, weights, slots)
     return dx, dw, None
 
 
@@ -111,7 +111,7 @@ def _decode_fwd(data, weights, slots):
 def _decode_bwd(res, g):
     data, weights, slots = res
     ddata = _encode_impl(g, weights, slots, data.shape[0]).astype(data.dtype)
-    dw = _assignment_dots(g, lambda sl: jnp.take(data, sl, axis=0, mode="fill", fill_value=0), weights, slots)
+    dw = _assignment_dots(g, data, weights, slots)
     return ddata, dw, None
 
 

@@ -76,10 +76,11 @@ def route(
     rng: jax.Array | None = None,
     deterministic: bool = True,
     alignment: int = 1,
-    num_tokens_for_capacity: int | None = None,
+    valid: jax.Array | None = None,
+    num_tokens_for_capacity: int | jax.Array | None = None,
     max_count_reduce=None,
 ) -> tuple[RoutingPlan, jax.Array]:
-    """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux)."""
+    """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux); `valid` [S] masks padding tokens out."""
     gate = config.gate(gate_index)
     k = gate.k if top_k is None else top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -105,14 +106,15 @@ def route(
         batch_prioritized_routing=config.batch_prioritized_routing,
         normalize_gate=config.normalize_gate,
         alignment=alignment,
+        valid=valid,
         num_tokens_for_capacity=num_tokens_for_capacity,
         max_count_reduce=max_count_reduce,
     )
     if config.is_gshard_loss:
-        l_aux = gshard_loss(scores, plan.expert_ids)
+        l_aux = gshard_loss(scores, plan.expert_ids, valid)
     else:
         top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
-        l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise)
+        l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise, valid)
     return plan, l_aux
 
 

@@ -10,8 +10,6 @@ when its slot is at or beyond the capacity.
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -89,6 +87,12 @@ def align_capacity(capacity, alignment: int):
     return (capacity + alignment - 1) // alignment * alignment
 
 
+def capacity_formula(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Tutel's unaligned capacity bound `k * int(|cf| * ceil(S / E))` (for cf > 0 the capacity itself)."""
+    samples_per_expert = -(-num_tokens // num_experts)
+    return top_k * int(abs(capacity_factor) * samples_per_expert)
+
+
 def static_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, alignment: int = 1
                     ) -> int | None:
     """The static buffer capacity for a capacity factor, or None for dropless (capacity_factor == 0).
@@ -97,11 +101,16 @@ def static_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     capacity_factor < 0: the bound `k * int(-cf * ceil(S / E))`; Tutel's capacity is min(max count, bound), which
       drops exactly the same assignments as the bound does, since no slot reaches the max count.
     """
-    samples_per_expert = -(-num_tokens // num_experts)
     if capacity_factor == 0:
         return None
-    bound = top_k * int(abs(capacity_factor) * samples_per_expert)
-    return align_capacity(bound, alignment)
+    # at least one slot: a capacity of 0 drops everything, but the buffer keeps a (zero) row per expert
+    return align_capacity(max(capacity_formula(num_tokens, num_experts, top_k, capacity_factor), 1), alignment)
+
+
+def _dynamic_bound(num_tokens, max_tokens: int, num_experts: int, top_k: int, capacity_factor: float):
+    """`capacity_formula` for a traced token count <= max_tokens, exactly (a table, no float rounding)."""
+    table = [capacity_formula(s, num_experts, top_k, capacity_factor) for s in range(max_tokens + 1)]
+    return jnp.asarray(table, jnp.int32)[jnp.clip(num_tokens, 0, max_tokens)]
 
 
 def slot_positions(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
@@ -139,7 +148,8 @@ def top_k_routing(
     batch_prioritized_routing: bool = False,
     normalize_gate: bool = True,
     alignment: int = 1,
-    num_tokens_for_capacity: int | None = None,
+    valid: jax.Array | None = None,
+    num_tokens_for_capacity: int | jax.Array | None = None,
     max_count_reduce=None,
 ) -> RoutingPlan:
     """Tutel's `extract_critical`: top-k choices, slots, combine weights and capacity.
@@ -152,8 +162,9 @@ def top_k_routing(
       batch_prioritized_routing: place tokens in descending order of their best score (stable sort).
       normalize_gate: for k > 1, divide the k weights by max(sum, eps).
       alignment: round the capacity up to a multiple of this (sharded count x overlap degree).
-      num_tokens_for_capacity: S used in `ceil(S / E)`; defaults to the local S. Expert parallelism with unequal
-        token counts passes the maximum over ranks.
+      valid: optional [S] bool; False marks padding tokens, which take no slot, count nowhere and get weight 0.
+      num_tokens_for_capacity: S used in `ceil(S / E)`, a Python int or a traced count <= S; defaults to the
+        number of valid tokens. Expert parallelism with unequal token counts passes the maximum over ranks.
       max_count_reduce: optional function applied to the local max dispatch count (e.g. a `pmax` over the
         expert-parallel group) so that every rank agrees on the capacity.
 
@@ -172,27 +183,42 @@ def top_k_routing(
     expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
     gates = top_scores.T  # [k, S]
 
+    slot_ids, num_slot_experts = expert_ids, num_experts
+    if valid is not None:  # padding tokens go to an extra expert E, placed after every real one
+        slot_ids, num_slot_experts = jnp.where(valid[None, :], expert_ids, num_experts), num_experts + 1
+        gates = jnp.where(valid[None, :], gates, 0)
     priority = None
     if batch_prioritized_routing:
-        priority = jnp.argsort(-jnp.max(scores, axis=1), stable=True)
-    locations, counts = slot_positions(expert_ids, num_experts, priority)
+        best = jnp.max(scores, axis=1)
+        priority = jnp.argsort(-(best if valid is None else jnp.where(valid, best, -jnp.inf)), stable=True)
+    locations, counts = slot_positions(slot_ids, num_slot_experts, priority)
+    counts = counts[:num_experts]
+    if valid is not None:
+        locations = jnp.where(valid[None, :], locations, jnp.iinfo(jnp.int32).max)
 
     if top_k > 1 and normalize_gate:
         denom = jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
         gates = gates / denom
 
-    s_for_cap = num_tokens if num_tokens_for_capacity is None else int(num_tokens_for_capacity)
-    buffer_capacity = static_capacity(s_for_cap, num_experts, top_k, capacity_factor, alignment)
+    if num_tokens_for_capacity is None:
+        num_tokens_for_capacity = num_tokens if valid is None else jnp.sum(valid.astype(jnp.int32))
+    buffer_capacity = static_capacity(num_tokens, num_experts, top_k, capacity_factor, alignment)
+    if isinstance(num_tokens_for_capacity, int):
+        if num_tokens_for_capacity > num_tokens:  # more tokens elsewhere than here: the buffer follows them
+            buffer_capacity = static_capacity(num_tokens_for_capacity, num_experts, top_k, capacity_factor, alignment)
+        bound = jnp.asarray(capacity_formula(num_tokens_for_capacity, num_experts, top_k, capacity_factor), jnp.int32)
+    else:
+        bound = _dynamic_bound(num_tokens_for_capacity, num_tokens, num_experts, top_k, capacity_factor)
     max_count = jnp.max(counts)
     if max_count_reduce is not None:
         max_count = max_count_reduce(max_count)
     if capacity_factor > 0:
-        capacity = jnp.asarray(buffer_capacity, jnp.int32)
+        capacity = bound
     elif capacity_factor == 0:
-        capacity = align_capacity(max_count, alignment).astype(jnp.int32)
+        capacity = max_count
     else:
-        bound = top_k * int(-capacity_factor * math.ceil(s_for_cap / num_experts))
-        capacity = align_capacity(jnp.minimum(max_count, bound), alignment).astype(jnp.int32)
+        capacity = jnp.minimum(max_count, bound)
+    capacity = align_capacity(capacity, alignment).astype(jnp.int32)
 
     return RoutingPlan(
         expert_ids=expert_ids,
