@@ -18,6 +18,7 @@ from flax import nnx
 from .checkpoint import tutel_format
 from .config import MoEConfig, make_config
 from .layer import MoEAux, init_params, moe_apply
+from .parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
 
 __all__ = ["MoE", "RoutingStat"]
 
@@ -43,7 +44,8 @@ class MoE(nnx.Module):
 
     Args mirror Tutel's `moe_layer`: gate_type (dict or list of dicts), model_dim, experts (dict with type,
     count_per_node / num_experts_per_device, hidden_size_per_expert, activation_fn, ...), scan_expert_func,
-    result_func, group (must be None on one device), seeds (gate seed, expert seed, noise seed),
+    result_func, group (None on one device, or an `ExpertParallel` placement: mesh + expert axes, for expert
+    parallelism; E = count_per_node x expert-axis size), seeds (gate seed, expert seed, noise seed),
     a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
     parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds).
     The layer starts in training mode (gate noise on), like a torch module; `.eval()` turns it off.
@@ -72,10 +74,13 @@ class MoE(nnx.Module):
     ):
         if kwargs:
             raise ValueError(f"unknown argument(s) to MoE / moe_layer: {sorted(kwargs)}")
-        if group is not None:
-            raise ValueError("group: expert parallelism over a mesh is not available on this layer; pass group=None")
+        if group is not None and not isinstance(group, ExpertParallel):
+            raise ValueError("group must be None (one device) or a tutel_jax.parallel.ExpertParallel placement "
+                             f"(mesh + expert axes), got {type(group).__name__}")
+        self.placement: ExpertParallel | None = group
         self.config: MoEConfig = make_config(
-            gate_type, model_dim, experts, is_postscore=is_postscore,
+            gate_type, model_dim, experts, world_size=1 if group is None else group.world_size,
+            is_postscore=is_postscore,
             batch_prioritized_routing=batch_prioritized_routing, normalize_gate=normalize_gate,
             is_gshard_loss=is_gshard_loss, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree,
             parallel_type=parallel_type, use_2dh=use_2dh, dtype=dtype, result_func=result_func)
@@ -92,6 +97,8 @@ class MoE(nnx.Module):
             for name, value in tutel_format.params_to_state_dict(params["experts"], 0, "experts.").items():
                 if not name.endswith(tutel_format.NUM_EXPERTS_KEY):
                     scan_expert_func(name, value)
+        if group is not None:
+            params = shard_params(params, group)
         self.params = nnx.data(jax.tree.map(nnx.Param, params))
         self.rngs = rngs
         self.deterministic = False
@@ -111,17 +118,29 @@ class MoE(nnx.Module):
         a2a_ffn_overlap_degree: int | None = None,
         *,
         deterministic: bool | None = None,
+        use_2dh: bool | None = None,
+        valid: jax.Array | None = None,
+        inequivalent_tokens: bool = False,
     ) -> jax.Array:
-        """x [..., M] -> y [..., M_out] (same dtype); per-call overrides as in Tutel."""
+        """x [..., M] -> y [..., M_out] (same dtype); per-call overrides as in Tutel.
+
+        With expert parallelism x is a global [B, ..., M] whose B splits over the token axes; `valid` [B, ...]
+        marks real tokens when devices hold different counts, and `inequivalent_tokens` agrees the capacity.
+        """
         deterministic = self.deterministic if deterministic is None else deterministic
         gate = self.config.gate(gate_index)
         rng = None
         if not deterministic and gate.gate_noise > 0:
             rng = self.rngs.noise() if "noise" in self.rngs else self.rngs()
-        y, aux = moe_apply(
-            _unbox(self.params), x, self.config, top_k=top_k, capacity_factor=capacity_factor,
-            gate_index=gate_index, rng=rng, deterministic=deterministic,
-            a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
+        common = dict(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
+                      deterministic=deterministic, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
+        if self.placement is None:
+            if valid is not None or inequivalent_tokens or use_2dh:
+                raise ValueError("valid, inequivalent_tokens and use_2dh apply to expert parallelism (group=...)")
+            y, aux = moe_apply(_unbox(self.params), x, self.config, **common)
+        else:
+            y, aux = moe_apply_parallel(_unbox(self.params), x, self.config, self.placement, use_2dh=use_2dh,
+                                        valid=valid, inequivalent_tokens=inequivalent_tokens, **common)
         self._record(aux)
         return y
 
@@ -184,6 +203,8 @@ class MoE(nnx.Module):
         """
         state = tutel_format.read_state_dict(source)
         params = tutel_format.state_dict_to_params(state, self.param_tree(), self.config.num_global_experts, prefix)
+        if self.placement is not None:
+            params = shard_params(params, self.placement)
         jax.tree.map(lambda var, value: var.set_value(jnp.asarray(value)), self.params, params,
                      is_leaf=lambda v: isinstance(v, nnx.Variable))
 
@@ -193,6 +214,7 @@ class MoE(nnx.Module):
         save_torch_file(path, self.state_dict())
 
     @staticmethod
-    def global_expert_count(num_local_experts: int, group: Any = None) -> int:
-        """Tutel's helper: E from experts per device on one device (negative: one shared expert)."""
-        return num_local_experts if num_local_experts > 0 else 1
+    def global_expert_count(num_local_experts: int, group: ExpertParallel | None = None) -> int:
+        """Tutel's helper: E from experts per device and the expert-parallel group size W."""
+        world = 1 if group is None else group.world_size
+        return num_local_experts * world if num_local_experts > 0 else max(world // -num_local_experts, 1)
