@@ -15,7 +15,7 @@ from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from tutel_jax.parallel.all_to_all import expert_all_to_all, expert_all_to_all_reverse
 from tutel_jax.parallel.expert_parallel import _shard_map
 
-M, H = 16, 12
+M, H = 16, 16
 DEVICES = np.array(jax.devices()[:8])
 
 
@@ -27,9 +27,9 @@ def _2dh():
     return ExpertParallel(Mesh(DEVICES.reshape(2, 4), ("node", "local")), expert_axes=("node", "local"))
 
 
-def _config(k, cf, n, W, **kw):
+def _config(k, cf, n, W, expert_type="ffn", **kw):
     return make_config({"type": "top", "k": k, "capacity_factor": cf}, M,
-                       {"type": "ffn", "count_per_node": n, "hidden_size_per_expert": H}, world_size=W, **kw)
+                       {"type": expert_type, "count_per_node": n, "hidden_size_per_expert": H}, world_size=W, **kw)
 
 
 def _assert_trees_close(actual, expected):
@@ -39,15 +39,17 @@ def _assert_trees_close(actual, expected):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
-def _compare(placement, k, cf, d, n=2, per_device_batch=2, use_2dh=False):
+def _compare(placement, k, cf, d, n=2, per_device_batch=2, use_2dh=False, adaptive_r=None, expert_type="ffn",
+             parallel_type="adaptive:1"):
     W = placement.world_size
-    config = _config(k, cf, n, W)
+    config = _config(k, cf, n, W, expert_type, parallel_type=parallel_type)
     params = init_params(config, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (per_device_batch * W, 6, M))
     up = jax.random.normal(jax.random.key(2), x.shape)
 
     def loss_parallel(p, x):
-        y, aux = moe_apply_parallel(p, x, config, placement, a2a_ffn_overlap_degree=d, use_2dh=use_2dh)
+        y, aux = moe_apply_parallel(p, x, config, placement, a2a_ffn_overlap_degree=d, use_2dh=use_2dh,
+                                    adaptive_r=adaptive_r)
         return jnp.sum(y * up) + 0.1 * aux.l_aux, (y, aux)
 
     def loss_single(p, x):  # what each device computes, run shard by shard on one device
@@ -60,7 +62,7 @@ def _compare(placement, k, cf, d, n=2, per_device_batch=2, use_2dh=False):
         return jnp.sum(y * up) + 0.1 * jnp.mean(jnp.stack(losses)), (y, sum(counts))
 
     (l1, (y1, aux1)), g1 = jax.jit(jax.value_and_grad(loss_parallel, (0, 1), has_aux=True))(
-        shard_params(params, placement), x)
+        shard_params(params, placement, config), x)
     (l2, (y2, counts2)), g2 = jax.jit(jax.value_and_grad(loss_single, (0, 1), has_aux=True))(params, x)
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), rtol=1e-5, atol=1e-6)
     # the loss sums y*up over all elements in a different order: allow eps_f32 per summed term
@@ -87,6 +89,43 @@ def test_overlap_degree_equals_single_device(k, cf, d):
 @pytest.mark.parametrize("k,cf,d", [(2, 1.0, 1), (1, 0.0, 2), (3, -0.5, 1)])
 def test_2dh_equals_single_device(k, cf, d):
     _compare(_2dh(), k, cf, d=d, use_2dh=True)
+
+
+@pytest.mark.parametrize("s,r,k,cf,d,expert_type", [
+    (2, 0, 2, 1.0, 1, "ffn"), (2, 1, 1, 0.0, 1, "ffn"), (2, 2, 2, 1.0, 2, "ffn"),
+    (4, 0, 3, -0.5, 1, "llama_ffn"), (4, 1, 2, 1.0, 2, "ffn"), (4, 2, 1, 1.0, 1, "ffn"), (4, 4, 2, 0.0, 1, "ffn"),
+    (8, 0, 1, 1.0, 1, "ffn"), (8, 1, 2, -0.5, 1, "ffn"), (8, 2, 2, 1.0, 1, "llama_ffn"), (8, 4, 3, 1.0, 1, "ffn"),
+    (8, 8, 2, 1.0, 2, "ffn"),
+])
+def test_sharded_experts_every_adaptive_r_equals_single_device(s, r, k, cf, d, expert_type):
+    """count_per_node = -s: E = 8 / s experts, each split over s devices; Tutel's adaptive:r for every r."""
+    _compare(_flat(), k, cf, d=d, n=-s, adaptive_r=r, expert_type=expert_type)
+
+
+@pytest.mark.parametrize("parallel_type", ["data", "model", "adaptive:2"])
+def test_parallel_type_names(parallel_type):
+    _compare(_flat(), 2, 1.0, d=1, n=-4, parallel_type=parallel_type)
+
+
+def test_data_parallel_r0_with_whole_experts_per_device():
+    _compare(_flat(), 2, 1.0, d=1, n=1, adaptive_r=0)
+
+
+def test_invalid_adaptive_r_refused():
+    with pytest.raises(ValueError, match=r"adaptive_r must be one of \[0, 1, 2, 4\]"):
+        _config(2, 1.0, -4, 8, parallel_type="adaptive:3")
+    config = _config(2, 1.0, -4, 8)
+    params = init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match="adaptive_r"):
+        moe_apply_parallel(params, jnp.zeros((8, 2, M)), config, _flat(), adaptive_r=8)
+
+
+def test_sharded_expert_parameters_hold_one_slice_per_device():
+    config = _config(2, 1.0, -4, 8)
+    params = shard_params(init_params(config, jax.random.key(0)), _flat(), config)
+    fc1 = params["experts"]["batched_fc1_w"]
+    assert fc1.shape == (2, H, M)
+    assert {sh.data.shape for sh in fc1.addressable_shards} == {(1, H // 4, M)}
 
 
 def test_2dh_all_to_all_equals_flat_bitwise():

@@ -55,6 +55,23 @@ class MoEConfig:
         """Devices sharing one expert (Tutel's `sharded_count`): s for count_per_node = -s, else 1."""
         return -self.num_local_experts if self.num_local_experts < 0 else 1
 
+    def adaptive_degree(self, adaptive_r: int | None = None) -> int:
+        """Tutel's r: 0 = data parallel (weights gathered, no all_to_all), s = tensor parallel over the hidden
+        dim, 1 <= r | s in between; from `adaptive_r` or `parallel_type`. Checked against {0} u divisors(s)."""
+        s = self.sharded_count
+        if adaptive_r is None:
+            if self.parallel_type == "data":
+                adaptive_r = 0
+            elif self.parallel_type == "model":
+                adaptive_r = s
+            else:
+                adaptive_r = int(self.parallel_type.split(":", 1)[1])
+        valid = valid_adaptive_degrees(s)
+        if isinstance(adaptive_r, bool) or not isinstance(adaptive_r, int) or adaptive_r not in valid:
+            raise ValueError(f"adaptive_r must be one of {valid} (0 or a divisor of the sharded count {s}), "
+                             f"got {adaptive_r!r}")
+        return adaptive_r
+
     @property
     def output_dim(self) -> int:
         return getattr(self.experts, "output_dim", None) or self.model_dim
@@ -63,6 +80,11 @@ class MoEConfig:
         if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
             raise ValueError(f"gate_index must be an integer in [0, {len(self.gates)}), got {gate_index!r}")
         return self.gates[gate_index]
+
+
+def valid_adaptive_degrees(sharded_count: int) -> list[int]:
+    """{0} u divisors(s): the values of Tutel's adaptive r for experts shared by s devices."""
+    return [0] + [r for r in range(1, sharded_count + 1) if sharded_count % r == 0]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -128,17 +150,18 @@ def make_config(
         raise ValueError("gate_type must not be empty")
     gates = tuple(make_gate(spec, i) for i, spec in enumerate(specs))
     degree = _positive_int("a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
-    if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model")
-                                                  or parallel_type.startswith("adaptive:")):
+    if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model") or (
+            parallel_type.startswith("adaptive:") and parallel_type[9:].isdigit())):
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
         raise ValueError(f"dtype must be a JAX dtype such as 'float32' or 'bfloat16', got {dtype!r}") from None
-    return MoEConfig(
+    config = MoEConfig(
         model_dim=model_dim, gates=gates, experts=expert_net, num_local_experts=local, num_global_experts=num_global,
         is_postscore=bool(is_postscore), batch_prioritized_routing=bool(batch_prioritized_routing),
         normalize_gate=bool(normalize_gate), is_gshard_loss=bool(is_gshard_loss), a2a_ffn_overlap_degree=degree,
         parallel_type=parallel_type, use_2dh=bool(use_2dh), dtype=dtype, result_func=result_func,
     )
-
+    config.adaptive_degree()  # validates r of 'adaptive:r' against the sharded count
+    return config

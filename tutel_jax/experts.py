@@ -4,7 +4,10 @@ An expert type is a frozen dataclass with pure functions:
   init(key, model_dim, num_experts, dtype) -> params pytree (named like Tutel's state dict under `experts.`)
   batched(params, x[E, C, M]) -> [E, C, M_out]          (capacity buffer path)
   grouped(params, x[T, M], group_sizes[E]) -> [T, M_out] (dropless path; rows sorted by expert) -- optional
-Any object with `init` and `batched` (and optionally `grouped`) works as a custom expert.
+  hidden_axes(params) -> same pytree of ints / None                          -- optional
+Any object with `init` and `batched` (and optionally `grouped`) works as a custom expert. `hidden_axes` names,
+per parameter, the axis that indexes hidden units (so an expert can be split over devices: sharded experts);
+None marks an output bias, added once.
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class FFNExperts:
             y = y + params["batched_fc2_bias"][:, None, :].astype(dtype)
         return y
 
+    def hidden_axes(self, params):
+        axes = {"batched_fc1_w": 1, "batched_fc2_w": 1, "batched_fc1_bias": 1, "batched_fc2_bias": None}
+        return {k: axes[k] for k in params}
+
     def grouped(self, params, x, group_sizes):
         rows = group_row_experts(group_sizes, x.shape[0])
         h = _grouped_matmul(x, jnp.swapaxes(params["batched_fc1_w"], 1, 2), group_sizes)
@@ -139,6 +146,9 @@ class LlamaFFNExperts:
         gate = jnp.einsum("ecm,emh->ech", x, params["W_fc1"].astype(dtype))
         up = jnp.einsum("ecm,emh->ech", x, params["W_fc2"].astype(dtype))
         return jnp.einsum("ech,ehm->ecm", self.activation_fn(gate) * up, params["W_fc3"].astype(dtype))
+
+    def hidden_axes(self, params):
+        return {"W_fc1": 2, "W_fc2": 2, "W_fc3": 1}
 
     def grouped(self, params, x, group_sizes):
         gate = _grouped_matmul(x, params["W_fc1"], group_sizes)

@@ -43,7 +43,7 @@ jax.tree_util.register_dataclass(
 
 
 def init_params(config: MoEConfig, key: jax.Array | None = None, *, seeds: tuple | None = None) -> dict:
-    """Fresh parameters `{'gates': [gate params, ...], 'experts': expert params}` (E local experts).
+    """Fresh global parameters `{'gates': [gate params, ...], 'experts': expert params}` for all E experts.
 
     Either `key` (a PRNG key) or Tutel's `seeds` = (gate seed, expert seed, ...): gate i uses seed[0] + i,
     the experts seed[1].
@@ -57,11 +57,10 @@ def init_params(config: MoEConfig, key: jax.Array | None = None, *, seeds: tuple
             raise ValueError("init_params needs a PRNG `key` or Tutel `seeds`")
         keys = jax.random.split(key, num_gates + 1)
         gate_keys, expert_key = list(keys[:num_gates]), keys[num_gates]
-    num_experts = config.num_global_experts if config.num_local_experts > 0 else 1
     return {
         "gates": [g.init(k, config.model_dim, config.num_global_experts, config.dtype)
                   for g, k in zip(config.gates, gate_keys)],
-        "experts": config.experts.init(expert_key, config.model_dim, num_experts, config.dtype),
+        "experts": config.experts.init(expert_key, config.model_dim, config.num_global_experts, config.dtype),
     }
 
 
@@ -118,7 +117,7 @@ def route(
     return plan, l_aux
 
 
-def _run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
     """Dropless path: permute -> grouped experts -> unpermute; no [E, C, M] padding."""
     experts = config.experts
     grouped = getattr(experts, "grouped", None)
@@ -129,13 +128,13 @@ def _run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig
             raise ValueError("capacity_factor=0 (dropless) under jit needs experts with a grouped() method; "
                              f"{type(experts).__name__} has none. Use capacity_factor < 0 to bound the "
                              "capacity, or call outside jit.") from None
-        return _run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
+        return run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
     rows = dispatch.permute(x, plan, config.is_postscore).astype(x.dtype)
     out = grouped(expert_params, rows, plan.dispatch_count)
     return dispatch.unpermute(out, plan, config.is_postscore)
 
 
-def _run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
     buf = dispatch.fast_encode(x, plan, config.is_postscore).astype(x.dtype)  # [E, C, M]
     out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
     return dispatch.fast_decode(out, plan, config.is_postscore)
@@ -181,9 +180,9 @@ def moe_apply(
         deterministic=deterministic, alignment=config.sharded_count * degree,
     )
     if plan.buffer_capacity is None:
-        y = _run_experts_dropless(params["experts"], tokens, plan, config)
+        y = run_experts_dropless(params["experts"], tokens, plan, config)
     else:
-        y = _run_experts_buffered(params["experts"], tokens, plan, config)
+        y = run_experts_buffered(params["experts"], tokens, plan, config)
     y = y.reshape(orig_shape[:-1] + (y.shape[-1],)).astype(orig_dtype)
     if config.result_func is not None:
         y = config.result_func(y)

@@ -98,7 +98,7 @@ class MoE(nnx.Module):
                 if not name.endswith(tutel_format.NUM_EXPERTS_KEY):
                     scan_expert_func(name, value)
         if group is not None:
-            params = shard_params(params, group)
+            params = shard_params(params, group, self.config)
         self.params = nnx.data(jax.tree.map(nnx.Param, params))
         self.rngs = rngs
         self.deterministic = False
@@ -204,7 +204,7 @@ class MoE(nnx.Module):
         state = tutel_format.read_state_dict(source)
         params = tutel_format.state_dict_to_params(state, self.param_tree(), self.config.num_global_experts, prefix)
         if self.placement is not None:
-            params = shard_params(params, self.placement)
+            params = shard_params(params, self.placement, self.config)
         jax.tree.map(lambda var, value: var.set_value(jnp.asarray(value)), self.params, params,
                      is_leaf=lambda v: isinstance(v, nnx.Variable))
 

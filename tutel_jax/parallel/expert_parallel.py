@@ -6,8 +6,15 @@ the devices of the expert axes, runs its own n = E / W experts on [n, W*C, M], e
 With `a2a_ffn_overlap_degree = d` the capacity axis is split into d independent chunks, so XLA can overlap
 one chunk's all_to_all with another chunk's expert matmuls.
 
+Sharded experts (count_per_node = -s, E = W / s): the W devices of the expert axes are laid out as
+(E, s/r, r) for Tutel's adaptive r: each expert's capacity is split over s/r replicas, and inside a replica the
+r devices hold 1/r of the expert's hidden units (tensor parallel), their partial outputs summed after the
+reverse exchange. r = 1 gathers whole experts; r = s is pure tensor parallelism; r = 0 gathers every expert on
+every device and skips the all_to_all (data parallel; also valid with count_per_node > 0).
+
 Arrays are global: x [B, ..., M] with its leading axis sharded over the token axes; expert parameters [E, ...]
-sharded along their first axis over the expert axes; gate parameters replicated. Gradients of replicated
+sharded along their first axis over the expert axes (sharded experts: also along their hidden axis); gate
+parameters replicated. Gradients of replicated
 parameters are summed over devices by `shard_map`'s transpose, so any loss written on the global arrays gets
 the right gradients.
 """
@@ -24,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import dispatch
 from ..config import MoEConfig
-from ..layer import MoEAux, route
+from ..layer import MoEAux, route, run_experts_buffered, run_experts_dropless
 from ..routing.plan import align_capacity
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
 
@@ -94,32 +101,78 @@ class ExpertParallel:
         return P(self.expert_axes)
 
 
-def param_specs(params: Any, placement: ExpertParallel) -> Any:
-    """PartitionSpecs for a layer's parameter pytree: experts split on their first axis, gates replicated."""
-    return {
-        "gates": jax.tree.map(lambda _: P(), params["gates"]),
-        "experts": jax.tree.map(lambda _: placement.expert_spec(), params["experts"]),
-    }
+EXPERT_AXES = ("_moe_e", "_moe_q", "_moe_t")  # (expert, capacity replica, tensor-parallel) for sharded experts
 
 
-def param_shardings(params: Any, placement: ExpertParallel) -> Any:
-    return jax.tree.map(lambda spec: NamedSharding(placement.mesh, spec), param_specs(params, placement),
+def _hidden_axes(config: MoEConfig, expert_params: Any) -> Any:
+    fn = getattr(config.experts, "hidden_axes", None)
+    if fn is None:
+        raise ValueError(f"sharded experts need an expert type with hidden_axes(); {type(config.experts).__name__} "
+                         "has none")
+    return fn(expert_params)
+
+
+def sharded_layout(placement: ExpertParallel, sharded_count: int, r: int) -> tuple[Mesh, tuple[str, ...]]:
+    """The mesh as (other axes..., E, s/r, r) for sharded experts, and the token axes on it.
+
+    Devices keep their flat expert-axis order (device w = e*s + q*r + t), so arrays laid out for the original
+    mesh keep their layout."""
+    mesh, expert_axes = placement.mesh, placement.expert_axes
+    names = list(mesh.axis_names)
+    others = [a for a in names if a not in expert_axes]
+    devices = mesh.devices.transpose([names.index(a) for a in others + list(expert_axes)])
+    replicas = sharded_count // r if r else sharded_count
+    tp = r if r else 1
+    devices = devices.reshape(devices.shape[:len(others)] + (placement.world_size // sharded_count, replicas, tp))
+    tokens = list(placement.token_axes)
+    first = tokens.index(expert_axes[0])
+    if tuple(tokens[first:first + len(expert_axes)]) != expert_axes:
+        raise ValueError(f"sharded experts need the expert axes {expert_axes} to appear together, in order, in the "
+                         f"token axes {placement.token_axes}")
+    tokens[first:first + len(expert_axes)] = EXPERT_AXES
+    return Mesh(devices, tuple(others) + EXPERT_AXES), tuple(tokens)
+
+
+def param_specs(params: Any, placement: ExpertParallel, config: MoEConfig | None = None) -> Any:
+    """PartitionSpecs for a layer's parameter pytree: experts split on their first axis, gates replicated.
+
+    For sharded experts (config.sharded_count > 1) the specs refer to `sharded_layout`'s mesh: each expert's
+    hidden axis is split over its s devices as well."""
+    gates = jax.tree.map(lambda _: P(), params["gates"])
+    if config is None or config.sharded_count == 1:
+        return {"gates": gates, "experts": jax.tree.map(lambda _: placement.expert_spec(), params["experts"])}
+    e, q, t = EXPERT_AXES
+
+    def spec(leaf, axis):
+        parts = [e] + [None] * (leaf.ndim - 1)
+        if axis is not None:
+            parts[axis] = (q, t)
+        return P(*parts)
+
+    return {"gates": gates, "experts": jax.tree.map(spec, params["experts"], _hidden_axes(config, params["experts"]))}
+
+
+def param_shardings(params: Any, placement: ExpertParallel, config: MoEConfig | None = None) -> Any:
+    mesh = placement.mesh
+    if config is not None and config.sharded_count > 1:
+        mesh = sharded_layout(placement, config.sharded_count, config.sharded_count)[0]
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, placement, config),
                         is_leaf=lambda s: isinstance(s, P))
 
 
-def shard_params(params: Any, placement: ExpertParallel) -> Any:
-    """Places a global parameter pytree on the mesh (each device gets only its own experts)."""
-    return jax.device_put(params, param_shardings(params, placement))
+def shard_params(params: Any, placement: ExpertParallel, config: MoEConfig | None = None) -> Any:
+    """Places a global parameter pytree on the mesh (each device gets only its own experts, or for sharded
+    experts its slice of its expert's hidden units). Pass `config` for sharded experts."""
+    return jax.device_put(params, param_shardings(params, placement, config))
 
 
 def _check_global_shapes(params, x, config: MoEConfig, placement: ExpertParallel, valid):
     W = placement.world_size
-    if config.num_local_experts < 0:
-        raise ValueError("sharded experts (count_per_node < 0) are not supported by moe_apply_parallel yet")
-    if config.num_global_experts != config.num_local_experts * W:
-        raise ValueError(f"config has {config.num_global_experts} global experts but count_per_node="
-                         f"{config.num_local_experts} x expert-axis size {W} = {config.num_local_experts * W}; "
-                         f"build the config with world_size={W}")
+    n = config.num_local_experts
+    expected = n * W if n > 0 else (W // -n if W % -n == 0 else None)
+    if config.num_global_experts != expected:
+        raise ValueError(f"config has {config.num_global_experts} global experts, which count_per_node={n} does not "
+                         f"give on an expert axis of {W} devices; build the config with world_size={W}")
     if x.ndim < 2 or x.shape[-1] != config.model_dim:
         raise ValueError(f"x must be [B, ..., model_dim={config.model_dim}] with a leading token-batch axis, "
                          f"got {tuple(x.shape)}")
@@ -150,6 +203,7 @@ def moe_apply_parallel(
     use_2dh: bool | None = None,
     valid: jax.Array | None = None,
     inequivalent_tokens: bool = False,
+    adaptive_r: int | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Expert-parallel MoE over `placement.mesh`.
 
@@ -163,6 +217,8 @@ def moe_apply_parallel(
       use_2dh: hierarchical all_to_all over the two expert axes (default from the config).
       valid: optional [B, ...] bool marking real tokens; padding tokens take no capacity and output 0.
       inequivalent_tokens: agree the capacity over the expert group from the largest valid token count.
+      adaptive_r: Tutel's r for this call (default from `config.parallel_type`): 0, or a divisor of the
+        sharded count s (1 when experts are not sharded).
 
     Returns:
       (y [B, ..., M_out], aux) where aux.l_aux is the mean of the per-device losses, aux.dispatch_count the sum
@@ -174,9 +230,55 @@ def moe_apply_parallel(
     if degree < 1:
         raise ValueError(f"a2a_ffn_overlap_degree must be >= 1, got {degree}")
     use_2dh = config.use_2dh if use_2dh is None else bool(use_2dh)
-    expert_axes, token_axes = placement.expert_axes, placement.token_axes
-    alignment = config.sharded_count * degree
+    r = config.adaptive_degree(adaptive_r)
+    s = config.sharded_count
+    if s > 1 and use_2dh:
+        raise ValueError("use_2dh is not available with sharded experts (count_per_node < 0)")
+    if s > 1:
+        mesh, token_axes = sharded_layout(placement, s, r)
+        expert_axes = EXPERT_AXES
+    else:
+        mesh, token_axes, expert_axes = placement.mesh, placement.token_axes, placement.expert_axes
+    alignment = s * degree
     model_dim = config.model_dim
+    hidden_axes = _hidden_axes(config, params["experts"]) if s > 1 else None
+
+    def gather_all_experts(local_params):
+        """r = 0: every expert's full weights on every device."""
+        def gather(leaf, axis=None):
+            if s > 1 and axis is not None:
+                leaf = lax.all_gather(leaf, EXPERT_AXES[1:], axis=axis, tiled=True)
+            return lax.all_gather(leaf, expert_axes[:1] if s > 1 else expert_axes, axis=0, tiled=True)
+        if s == 1:
+            return jax.tree.map(gather, local_params)
+        return jax.tree.map(gather, local_params, hidden_axes)
+
+    def replica_params(local_params):
+        """r >= 1, sharded experts: this device's 1/r of its expert's hidden units; output biases on t = 0 only."""
+        first_tp = (lax.axis_index(EXPERT_AXES[2]) == 0)
+
+        def take(leaf, axis):
+            if axis is None:
+                return leaf * first_tp.astype(leaf.dtype)
+            return lax.all_gather(leaf, EXPERT_AXES[1], axis=axis, tiled=True)
+        return jax.tree.map(take, local_params, hidden_axes)
+
+    def exchange_and_compute(part, expert_params):
+        """[E, c, M] slots -> [E, c, M_out] expert outputs, through the expert devices."""
+        if s == 1:
+            part = expert_all_to_all(part, expert_axes, use_2dh)  # [n, W*c, M]
+            part = config.experts.batched(expert_params, part)
+            return expert_all_to_all_reverse(part, expert_axes, use_2dh)
+        num_experts, c, dim = part.shape
+        replicas, tp = s // r, r
+        piece = part.reshape(num_experts, replicas, 1, c // replicas, dim)
+        piece = jnp.broadcast_to(piece, (num_experts, replicas, tp, c // replicas, dim))
+        piece = piece.reshape(num_experts * replicas * tp, c // replicas, dim)  # one row block per device
+        piece = expert_all_to_all(piece, expert_axes)  # [1, W*c/replicas, M]
+        piece = config.experts.batched(expert_params, piece)
+        piece = expert_all_to_all_reverse(piece, expert_axes)  # [W, c/replicas, M_out]
+        piece = piece.reshape(num_experts, replicas, tp, c // replicas, piece.shape[-1]).sum(axis=2)
+        return piece.reshape(num_experts, c, piece.shape[-1])
 
     def local(params, x, valid, rng):
         tokens = x.reshape(-1, model_dim).astype(config.dtype)
@@ -192,20 +294,23 @@ def moe_apply_parallel(
             params["gates"][gate_index], tokens, config, top_k=top_k, capacity_factor=capacity_factor,
             gate_index=gate_index, rng=rng, deterministic=deterministic, alignment=alignment, valid=mask,
             num_tokens_for_capacity=count_for_capacity, max_count_reduce=lambda c: lax.pmax(c, expert_axes))
-        if plan.buffer_capacity is None:
-            # dropless across devices: one rank sends at most S tokens to an expert (k choices are distinct)
-            plan = plan.with_buffer_capacity(align_capacity(num_tokens, alignment))
-        buf = dispatch.fast_encode(tokens, plan, config.is_postscore).astype(tokens.dtype)  # [E, C, M]
-        num_experts, cap, _ = buf.shape
-        chunk = cap // degree
-        outputs = []
-        for i in range(degree):  # independent chunks: chunk i's exchange can overlap chunk i-1's compute
-            part = buf[:, i * chunk:(i + 1) * chunk]
-            part = expert_all_to_all(part, expert_axes, use_2dh)  # [n, W*chunk, M]
-            part = config.experts.batched(params["experts"], part)
-            outputs.append(expert_all_to_all_reverse(part, expert_axes, use_2dh))  # [E, chunk, M_out]
-        out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
-        y = dispatch.fast_decode(out, plan, config.is_postscore)
+        if r == 0:  # data parallel: all experts here, no exchange
+            full = gather_all_experts(params["experts"])
+            if plan.buffer_capacity is None:
+                y = run_experts_dropless(full, tokens, plan, config)
+            else:
+                y = run_experts_buffered(full, tokens, plan, config)
+        else:
+            if plan.buffer_capacity is None:
+                # dropless across devices: one rank sends at most S tokens to an expert (k choices are distinct)
+                plan = plan.with_buffer_capacity(align_capacity(num_tokens, alignment))
+            expert_params = params["experts"] if s == 1 else replica_params(params["experts"])
+            buf = dispatch.fast_encode(tokens, plan, config.is_postscore).astype(tokens.dtype)  # [E, C, M]
+            chunk = buf.shape[1] // degree
+            # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
+            outputs = [exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params) for i in range(degree)]
+            out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
+            y = dispatch.fast_decode(out, plan, config.is_postscore)
         y = y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
         kept = plan.kept if mask is None else plan.kept & mask[None, :]
         total = plan.kept.shape[0] * (num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32)))
@@ -219,9 +324,9 @@ def moe_apply_parallel(
         )
         return y, aux
 
-    token_spec = placement.token_spec()
-    specs = param_specs(params, placement)
-    fn = _shard_map(local, placement.mesh,
+    token_spec = P(token_axes)
+    specs = param_specs(params, placement, config)
+    fn = _shard_map(local, mesh,
                     in_specs=(specs, token_spec, None if valid is None else token_spec, None if rng is None else P()),
                     out_specs=(token_spec, P()))
     y, aux = fn(params, x, valid, rng)

@@ -1,0 +1,1 @@
+"""Benchmarks of tutel_jax; run each module as a script (see its docstring)."""
