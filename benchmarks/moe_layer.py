@@ -137,8 +137,6 @@ def bench_layer(s: Settings) -> dict[str, Any]:
     floor_bwd = jax.jit(jax.value_and_grad(floor_loss, argnums=(0, 1)))
     routing_fwd = jax.jit(lambda p, t: route(p, t, config))
     routing_bwd = jax.jit(jax.value_and_grad(routing_loss, argnums=(0, 1)))
-    dispatch_fwd = jax.jit(index_dispatch)
-    dispatch_bwd = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
 
     gate_params = params["gates"][0]
     timing = dict(runs=s.layer_runs, time_budget_s=s.layer_time_budget_s, min_runs=s.min_runs, max_runs=s.max_runs)
@@ -146,13 +144,13 @@ def bench_layer(s: Settings) -> dict[str, Any]:
         "layer": lambda: layer_fwd(params, x),
         "floor": lambda: floor_fwd(params["experts"], buf),
         "routing": lambda: routing_fwd(gate_params, tokens),
-        "encode_decode": lambda: dispatch_fwd(tokens, plan),
+        "encode_decode": lambda: INDEX_FWD(tokens, plan),
     }, **timing)
     backward = time_interleaved({
         "layer": lambda: layer_bwd(params, x, upstream),
         "floor": lambda: floor_bwd(params["experts"], buf, buf_upstream),
         "routing": lambda: routing_bwd(gate_params, tokens),
-        "encode_decode": lambda: dispatch_bwd(tokens, plan.gates, plan, token_upstream, slot_upstream),
+        "encode_decode": lambda: INDEX_BWD(tokens, plan.gates, plan, token_upstream, slot_upstream),
     }, **timing)
 
     def summary(t: dict[str, Timing]) -> dict[str, Any]:
@@ -229,39 +227,65 @@ def dispatch_loss(fn: DispatchFn) -> Callable[..., jax.Array]:
     return loss
 
 
-def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, Any]:
-    """Times index vs one-hot dispatch, forward and forward+backward, for one (E, k)."""
+@dataclasses.dataclass(frozen=True)
+class DispatchInputs:
+    """One dispatch case's inputs; the routing plan is computed here, outside any timed region."""
+
+    plan: RoutingPlan
+    x: jax.Array
+    token_upstream: jax.Array
+    slot_upstream: jax.Array
+
+    @property
+    def forward_args(self) -> tuple:
+        return self.x, self.plan
+
+    @property
+    def backward_args(self) -> tuple:  # the arguments of dispatch_loss
+        return self.x, self.plan.gates, self.plan, self.token_upstream, self.slot_upstream
+
+
+def dispatch_inputs(s: Settings, num_experts: int, top_k: int) -> DispatchInputs:
+    """Deterministic inputs of the (E, k) case: random softmax scores routed with top-k at the capacity factor."""
     num_tokens, dim = s.dispatch_tokens, s.dispatch_model_dim
     keys = jax.random.split(jax.random.key(10 + num_experts), 4)
     scores = jax.nn.softmax(jax.random.normal(keys[0], (num_tokens, num_experts), jnp.float32), axis=-1)
-    plan = jax.jit(lambda sc: top_k_routing(sc, top_k, s.capacity_factor))(scores)  # outside the timed region
-    jax.block_until_ready(plan)
-    cap = plan.buffer_capacity
-    x = jax.random.normal(keys[1], (num_tokens, dim), jnp.float32)
-    token_upstream = jax.random.normal(keys[2], (num_tokens, dim), jnp.float32)
-    slot_upstream = jax.random.normal(keys[3], (num_experts, cap, dim), jnp.float32)
+    plan = jax.jit(lambda sc: top_k_routing(sc, top_k, s.capacity_factor))(scores)
+    inputs = DispatchInputs(
+        plan=plan,
+        x=jax.random.normal(keys[1], (num_tokens, dim), jnp.float32),
+        token_upstream=jax.random.normal(keys[2], (num_tokens, dim), jnp.float32),
+        slot_upstream=jax.random.normal(keys[3], (num_experts, plan.buffer_capacity, dim), jnp.float32),
+    )
+    return jax.block_until_ready(inputs)
+
+
+INDEX_FWD = jax.jit(index_dispatch)
+INDEX_BWD = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
+ONEHOT_FWD = jax.jit(onehot_dispatch)
+ONEHOT_BWD = jax.jit(jax.value_and_grad(dispatch_loss(onehot_dispatch), argnums=(0, 1)))
+
+
+def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, Any]:
+    """Times index vs one-hot dispatch, forward and forward+backward, for one (E, k)."""
+    inp = dispatch_inputs(s, num_experts, top_k)
+    plan, num_tokens, cap = inp.plan, s.dispatch_tokens, inp.plan.buffer_capacity
     onehot_bytes = num_tokens * num_experts * cap * 4
     case: dict[str, Any] = {
         "num_experts": num_experts, "top_k": top_k, "effective_top_k": plan.top_k, "capacity": cap,
         "dropped_fraction": float(plan.dropped_fraction), "onehot_tensor_bytes": onehot_bytes,
     }
-    bwd_args = (x, plan.gates, plan, token_upstream, slot_upstream)
-
-    index_fwd = jax.jit(index_dispatch)
-    index_bwd = jax.jit(jax.value_and_grad(dispatch_loss(index_dispatch), argnums=(0, 1)))
-    fwd = {"index": lambda: index_fwd(x, plan)}
-    bwd = {"index": lambda: index_bwd(*bwd_args)}
+    fwd = {"index": lambda: INDEX_FWD(*inp.forward_args)}
+    bwd = {"index": lambda: INDEX_BWD(*inp.backward_args)}
     if onehot_bytes > ONEHOT_MAX_BYTES:
         case["onehot_skipped"] = (f"one-hot combine tensor [S={num_tokens}, E={num_experts}, C={cap}] needs "
                                   f"{onehot_bytes / 2 ** 30:.1f} GiB > {ONEHOT_MAX_BYTES / 2 ** 30:.1f} GiB")
     else:
-        onehot_fwd = jax.jit(onehot_dispatch)
-        onehot_bwd = jax.jit(jax.value_and_grad(dispatch_loss(onehot_dispatch), argnums=(0, 1)))
         # the two implementations must agree before their times mean anything
-        for a, b in zip(index_fwd(x, plan), onehot_fwd(x, plan)):
+        for a, b in zip(INDEX_FWD(*inp.forward_args), ONEHOT_FWD(*inp.forward_args)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-        fwd["onehot"] = lambda: onehot_fwd(x, plan)
-        bwd["onehot"] = lambda: onehot_bwd(*bwd_args)
+        fwd["onehot"] = lambda: ONEHOT_FWD(*inp.forward_args)
+        bwd["onehot"] = lambda: ONEHOT_BWD(*inp.backward_args)
 
     for name, variants in (("forward", fwd), ("forward_backward", bwd)):
         t = time_interleaved(variants, s.dispatch_runs, time_budget_s=s.dispatch_time_budget_s,
@@ -273,21 +297,27 @@ def bench_dispatch_case(s: Settings, num_experts: int, top_k: int) -> dict[str, 
     return case
 
 
-def index_flatness(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per k: max / min over E of the index dispatch time (median, and min), among the E where k is not clipped.
+def bench_index_flatness(s: Settings) -> dict[str, dict[str, Any]]:
+    """Per k: the index dispatch at every E (where k is not clipped to E), timed interleaved across E.
 
-    E * C = k * S for every E here, so the index work is the same and the ratio should stay near 1.
+    E * C = k * S for every E here, so the index work is the same and max / min over E should stay near 1.
+    The E are interleaved with each other (not with the one-hot variant), so that a busy machine cannot fake
+    or hide a trend in E.
     """
-    flatness = {}
-    for top_k in sorted({c["top_k"] for c in cases}):
-        same_k = [c for c in cases if c["top_k"] == top_k and c["effective_top_k"] == top_k]
-        if len(same_k) < 2:
+    flatness: dict[str, dict[str, Any]] = {}
+    for top_k in s.dispatch_top_ks:
+        experts = [e for e in s.dispatch_experts if e >= top_k]
+        if len(experts) < 2:
             continue
-        entry: dict[str, Any] = {"E": [c["num_experts"] for c in same_k]}
-        for phase in ("forward", "forward_backward"):
-            for stat, suffix in (("median_s", ""), ("min_s", "_min")):  # the min is less hit by a busy machine
-                times = [c[phase]["timings"]["index"][stat] for c in same_k]
-                entry[phase + suffix] = max(times) / min(times)
+        inputs = {e: dispatch_inputs(s, e, top_k) for e in experts}
+        entry: dict[str, Any] = {"E": experts}
+        for phase, fn, args in (("forward", INDEX_FWD, "forward_args"),
+                                ("forward_backward", INDEX_BWD, "backward_args")):
+            t = time_interleaved({f"E={e}": (lambda e=e: fn(*getattr(inputs[e], args))) for e in experts},
+                                 s.dispatch_runs, time_budget_s=s.dispatch_time_budget_s / 4,
+                                 min_runs=s.min_runs, max_runs=s.max_runs)
+            medians = [t[f"E={e}"].median_s for e in experts]
+            entry[phase] = {"timings": _timings(t), "max_over_min": max(medians) / min(medians)}
         flatness[str(top_k)] = entry
     return flatness
 
@@ -309,7 +339,7 @@ def bench_dispatch(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
         "config": {"tokens": s.dispatch_tokens, "model_dim": s.dispatch_model_dim,
                    "capacity_factor": s.capacity_factor, "dtype": "float32", "is_postscore": True},
         "cases": cases,
-        "index_flatness_in_E": index_flatness(cases),
+        "index_flatness_in_E": bench_index_flatness(s),
         "target_speedup_at_largest_case": DISPATCH_SPEEDUP_TARGET,
     }
 
@@ -331,6 +361,11 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
     out["dispatch_ok"] = all(v is not None and v >= DISPATCH_SPEEDUP_TARGET for v in out["dispatch_speedup"].values())
     out["applicable"] = not result["quick"]  # the targets are for the full sizes, not the --quick ones
     return out
+
+
+def _case_experts(dispatch: dict[str, Any]) -> list[int]:
+    """The E of the dispatch cases, in order."""
+    return sorted({c["num_experts"] for c in dispatch["cases"]})
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -389,10 +424,17 @@ def render_markdown(result: dict[str, Any]) -> str:
         ["E", "k", "C", "index fwd ms", "one-hot fwd ms", "speedup fwd", "index fwd+bwd ms", "one-hot fwd+bwd ms",
          "speedup fwd+bwd"], rows))
     flat = d["index_flatness_in_E"]
-    parts = "; ".join(f"k={k} (E in {v['E']}): {v['forward']:.2f} / {v['forward_backward']:.2f} "
-                      f"({v['forward_min']:.2f} / {v['forward_backward_min']:.2f})" for k, v in flat.items())
-    lines.append(f"Index dispatch flatness in E, max / min over E of its median time at fixed k (forward / "
-                 f"forward+backward; the same for the fastest run in parentheses): {parts}.")
+    rows = []
+    for k, v in flat.items():
+        for phase, label in (("forward", "fwd"), ("forward_backward", "fwd+bwd")):
+            t = v[phase]["timings"]
+            rows.append([k, label] + [f"{fmt_ms(t[f'E={e}']['median_s'])} ({t[f'E={e}']['runs']})"
+                                      if f"E={e}" in t else "-" for e in _case_experts(d)]
+                        + [f"**{v[phase]['max_over_min']:.2f}**"])
+    lines.append("**Index dispatch flatness in E**: the index rows again, with the E of each k interleaved with "
+                 "each other (not with one-hot); E * C = k * S at every E, so the ratio should stay near 1.")
+    lines.append(markdown_table(["k", "pass"] + [f"E={e} ms" for e in _case_experts(d)] + ["max / min"], rows,
+                                "ll" + "r" * (len(_case_experts(d)) + 1)))
     c = result["checks"]
     e, k = c["dispatch_case"]["num_experts"], c["dispatch_case"]["top_k"]
     speedups = " / ".join(fmt_ratio(v) if v is not None else "n/a" for v in c["dispatch_speedup"].values())

@@ -3,8 +3,9 @@
 Both directions are gathers:
   encode:  D[slot] = w[a] * x[token(a)]     for the assignment a that owns the slot (zero for an empty slot)
   decode:  y[s]    = sum_j w_j[s] * O[slot_j(s)]   (zero for a dropped assignment)
-The custom VJPs make the gradient of each one the other one, so backward costs the same as forward and never
-goes through a scatter-add over [E, C, M]. Work is O(k * S * M); no one-hot [S, E, C] tensor is ever formed.
+The custom VJPs make the gradient of each one the other one (plus k*S dot products for the gate weights), so
+backward is gathers too and never a scatter-add over [E, C, M]. Work is O(k * S * M); no one-hot [S, E, C]
+tensor is ever formed.
 
 The same pair serves two layouts:
   - the capacity buffer [E, C, M]: slot = expert * C + location, dropped when location >= capacity;
@@ -51,12 +52,12 @@ def _decode_impl(data, weights, slots):
 
 
 def _assignment_dots(a, b, weights, slots):
-    """[k, S] dot products <a[s], b[slot_j(s)]>, zero for dropped assignments."""
-    dots = []
-    for j in range(weights.shape[0]):
-        rows = jnp.take(b, slots[j], axis=0, mode="fill", fill_value=0)
-        dots.append(jnp.sum(a.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1))
-    return jnp.stack(dots).astype(weights.dtype)
+    """[k, S] dot products <a[s], b[slot_j(s)]>, zero for dropped assignments (one gather for all k)."""
+    k, num_tokens = slots.shape
+    rows = jnp.take(b, slots.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(k, num_tokens, -1)
+    dots = jnp.einsum("ksm,sm->ks", rows.astype(jnp.float32), a.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    return dots.astype(weights.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -140,6 +141,21 @@ def group_row_experts(group_sizes: jax.Array, num_rows: int) -> jax.Array:
                       total_repeat_length=num_rows)
 
 
+# Plans with more choices per token than this (expert choice: k = E) use the slot-major formulation below,
+# whose cost is O(slots * M) whatever k; the per-choice loops above cost O(k * S * M).
+SLOT_MAJOR_MIN_K = 9
+
+
+def _decode_slot_major(data: jax.Array, weights: jax.Array, slots: jax.Array) -> jax.Array:
+    """decode() as one gather + scatter-add over slots (plain autodiff): y[token(a)] += w[a] * data[slot(a)]."""
+    k, num_tokens = weights.shape
+    owner = _slot_owner(slots, data.shape[0])
+    token = jnp.where(owner < k * num_tokens, owner % num_tokens, num_tokens)
+    w = jnp.take(weights.reshape(-1), owner, mode="fill", fill_value=0)
+    contrib = data * w[:, None].astype(data.dtype)
+    return jnp.zeros((num_tokens, data.shape[1]), data.dtype).at[token].add(contrib, mode="drop")
+
+
 def _encode_weights(plan: RoutingPlan, is_postscore: bool) -> jax.Array:
     return jnp.ones_like(plan.gates) if is_postscore else plan.gates
 
@@ -157,6 +173,9 @@ def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -> j
     cap = plan.buffer_capacity
     slots = buffer_slots(plan)
     x = x.astype(plan.gates.dtype)
+    if plan.top_k >= SLOT_MAJOR_MIN_K:  # gathers per slot; autodiff's transpose is a scatter-add per slot
+        flat = _encode_impl(x, _encode_weights(plan, is_postscore), slots, plan.num_experts * cap)
+        return flat.reshape(plan.num_experts, cap, x.shape[-1])
     flat = encode(x, _encode_weights(plan, is_postscore), slots, plan.num_experts * cap)
     return flat.reshape(plan.num_experts, cap, x.shape[-1])
 
@@ -167,6 +186,8 @@ def fast_decode(data: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -
     if cap != plan.buffer_capacity or num_experts != plan.num_experts:
         raise ValueError(f"data must be [E={plan.num_experts}, C={plan.buffer_capacity}, M], got {data.shape}")
     flat = data.reshape(num_experts * cap, dim).astype(plan.gates.dtype)
+    if plan.top_k >= SLOT_MAJOR_MIN_K:
+        return _decode_slot_major(flat, _decode_weights(plan, is_postscore), buffer_slots(plan))
     return decode(flat, _decode_weights(plan, is_postscore), buffer_slots(plan))
 
 

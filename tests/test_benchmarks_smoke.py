@@ -1,0 +1,31 @@
+"""The benchmark scripts run end to end (tiny sizes) and write their result files; timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, out: Path) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.with_suffix(".md").read_text().count("|") > 10
+    return json.loads(out.read_text())
+
+
+def test_moe_layer_benchmark_quick(tmp_path):
+    result = _run("moe_layer.py", tmp_path / "moe_layer.json")
+    assert "checks" in result and result["machine"]["backend"] == "cpu"
+
+
+def test_expert_parallel_benchmark_quick(tmp_path):
+    result = _run("expert_parallel.py", tmp_path / "ep.json")
+    assert set(result["timings"]) >= {"1 device", "EP 8 (flat)", "EP 8, 2DH (2x4)"}
+    assert all(t["median_s"] > 0 for t in result["timings"].values())
