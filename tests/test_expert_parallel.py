@@ -286,3 +286,51 @@ def test_nnx_module_with_expert_parallel_group_trains_like_per_device_layers():
     single_losses = train(single, per_device)
     np.testing.assert_allclose(ep_losses, single_losses, rtol=1e-5)
     assert ep_losses[-1] < ep_losses[0]
+
+
+def test_nnx_model_with_tensor_parallel_linear_and_expert_parallel_moe():
+    """A Flax NNX model: a Linear sharded over 'model' around an MoE layer whose experts are split over 'expert'."""
+    import optax
+    from flax import nnx
+
+    from tutel_jax import MoE
+    mesh = Mesh(DEVICES.reshape(4, 2), ("expert", "model"))
+    placement = ExpertParallel(mesh, expert_axes=("expert",), token_axes=("expert",))
+
+    class Block(nnx.Module):
+        def __init__(self, group, n, rngs):
+            self.moe = MoE(gate_type={"type": "top", "k": 2}, model_dim=M,
+                           experts={"type": "ffn", "count_per_node": n, "hidden_size_per_expert": H},
+                           seeds=(1, 2, 3), group=group)
+            self.out = nnx.Linear(M, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(x + self.moe(x))
+
+    model = Block(placement, 2, nnx.Rngs(0))
+    kernel = model.out.kernel
+    kernel.set_value(jax.device_put(kernel[...], NamedSharding(mesh, P(None, "model"))))
+    reference = Block(None, 8, nnx.Rngs(0))
+    reference.moe.load_state_dict(model.moe.state_dict())
+    x = jax.random.normal(jax.random.key(1), (8, 3, M))
+
+    def run(model, per_device):
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt):
+            def loss_fn(model):
+                if not per_device:
+                    return jnp.mean(model(x) ** 2) + 0.01 * model.moe.l_aux
+                outs, losses = [], []
+                for r in range(4):  # each expert-axis device routes its own 2 samples
+                    outs.append(model(x[2 * r:2 * r + 2]))
+                    losses.append(model.moe.l_aux)
+                return jnp.mean(jnp.concatenate(outs) ** 2) + 0.01 * jnp.mean(jnp.stack(losses))
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            opt.update(model, grads)
+            return loss
+        return [float(step(model, opt)) for _ in range(3)]
+
+    np.testing.assert_allclose(run(model, False), run(reference, True), rtol=1e-5)
+    assert model.out.kernel[...].sharding.spec == P(None, "model")
