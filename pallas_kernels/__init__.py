@@ -1,5 +1,62 @@
-"""Pallas GPU kernels for tutel-jax (gating, dispatch/combine, grouped and quantized matmul).
+"""Pallas GPU kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
 
-Each op pairs a plain-JAX reference with its kernels; tutel-jax runs the plain-XLA path on CPU. No kernel ships
-yet: every op currently resolves to its XLA reference in `tutel_jax`.
+Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend: A100, H100/H200, MI300) and has
+the signature `op(..., implementation="auto", config=None)`:
+
+| op | module | reference |
+|---|---|---|
+| `gating`, `slot_positions` | gating.py | softmax/sigmoid(+bias, group-limited) -> top-k -> Tutel slots |
+| `encode`, `decode`, `permute`, `unpermute` | dispatch.py | index gathers of `tutel_jax/dispatch.py` |
+| `gmm`, `tgmm` | gmm.py | `lax.ragged_dot` (custom VJP: d lhs = gmm, d rhs = tgmm) |
+| `quant_matmul`, `quant_gmm` | quant_matmul.py | dequantize (quant.py) then float32 matmul |
+
+`implementation`: "auto" (kernel on a GPU backend, XLA reference elsewhere; overridable by the environment
+variable `TUTEL_JAX_KERNELS=xla|pallas|interpret`), "xla", "pallas", or "interpret" (the kernel through Pallas'
+CPU interpreter, for tests). `config`: the op's frozen tiling dataclass (defaults chosen from the shapes).
+On a CPU nothing changes unless a kernel is asked for explicitly.
 """
+
+from ._select import ENV_VAR, IMPLEMENTATIONS, NotSupported, choose, gpu_backend, resolve, resolved_name
+from .dispatch import (DispatchConfig, decode, decode_reference, default_dispatch_config, encode,
+                       encode_reference, grouped_rows, permute, row_dots_reference, unpermute)
+from .gating import (GatingConfig, GatingResult, default_gating_config, gating, gating_reference, slot_positions,
+                     slot_positions_reference)
+from .gmm import (GmmConfig, default_gmm_config, default_tgmm_config, gmm, gmm_reference, group_metadata, tgmm,
+                  tgmm_reference)
+from .quant import (E2M1_LUT, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, dequant_fp8_block,
+                    dequant_mxfp4, dequant_nvfp4, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4)
+from .quant_matmul import (QuantMatmulConfig, default_quant_config, quant_gmm, quant_gmm_reference, quant_matmul,
+                           quant_matmul_reference)
+
+__all__ = [
+    # selection
+    "ENV_VAR", "IMPLEMENTATIONS", "NotSupported", "choose", "gpu_backend", "resolve", "resolved_name",
+    # gating
+    "GatingConfig", "GatingResult", "default_gating_config", "gating", "gating_reference", "slot_positions",
+    "slot_positions_reference",
+    # dispatch
+    "DispatchConfig", "default_dispatch_config", "encode", "decode", "permute", "unpermute", "grouped_rows",
+    "encode_reference", "decode_reference", "row_dots_reference",
+    # grouped matmul
+    "GmmConfig", "default_gmm_config", "default_tgmm_config", "gmm", "tgmm", "gmm_reference", "tgmm_reference",
+    "group_metadata",
+    # quantized
+    "E2M1_LUT", "Fp8BlockWeight", "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight", "dequant_fp8_block",
+    "dequant_mxfp4", "dequant_nvfp4", "quantize_fp8_block", "quantize_mxfp4", "quantize_nvfp4",
+    "QuantMatmulConfig", "default_quant_config", "quant_matmul", "quant_gmm", "quant_matmul_reference",
+    "quant_gmm_reference",
+    # registry (tokamax style: ordered implementations per op)
+    "OPS",
+]
+
+#: op name -> (kernel function with `implementation=`, its reference); "auto" tries the kernel then the reference
+OPS = {
+    "gating": (gating, gating_reference),
+    "slot_positions": (slot_positions, slot_positions_reference),
+    "encode": (encode, encode_reference),
+    "decode": (decode, decode_reference),
+    "gmm": (gmm, gmm_reference),
+    "tgmm": (tgmm, tgmm_reference),
+    "quant_matmul": (quant_matmul, quant_matmul_reference),
+    "quant_gmm": (quant_gmm, quant_gmm_reference),
+}

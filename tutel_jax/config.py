@@ -8,8 +8,10 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
+from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
 from .experts import Experts, make_experts
 from .routing.gates import Gate, make_gate
+from .shared_experts import SharedExperts, make_shared_experts
 
 __all__ = ["MoEConfig", "make_config"]
 
@@ -33,6 +35,11 @@ class MoEConfig:
       use_2dh: hierarchical all_to_all.
       dtype: parameter and compute dtype of the experts (the input is cast to it, as in Tutel).
       result_func: optional function applied to the output (Tutel's `result_func`).
+      shared_experts: optional dense shared experts added to every token's output (`experts['shared']`).
+      dropless_impl: how capacity_factor == 0 runs on one device: 'ragged' (the default: sort +
+        `lax.ragged_dot`, no padding at all), 'bucketed' (the capacity path at the smallest of a few static
+        capacities >= the max count: bounded padding, much faster on CPU, where ragged_dot is dense-masked), or
+        'auto' (bucketed on CPU, ragged elsewhere). See `tutel_jax.dropless`.
     """
 
     model_dim: int
@@ -49,6 +56,8 @@ class MoEConfig:
     use_2dh: bool = False
     dtype: Any = jnp.float32
     result_func: Callable | None = None
+    shared_experts: SharedExperts | None = None
+    dropless_impl: str = "ragged"
 
     @property
     def sharded_count(self) -> int:
@@ -108,20 +117,26 @@ def make_config(
     use_2dh: bool = False,
     dtype: Any = jnp.float32,
     result_func: Callable | None = None,
+    dropless_impl: str = "ragged",
 ) -> MoEConfig:
     """Validates Tutel's `moe_layer` arguments into an MoEConfig.
 
     `experts` is Tutel's dict (`type`, `count_per_node` or `num_experts_per_device`, `hidden_size_per_expert`,
     `activation_fn`, ...) or an object implementing the `Experts` protocol (then one local expert unless it has
     a `num_local_experts` attribute). `world_size` is the size of the expert-parallel group.
+    The dict may hold `'shared': {'hidden_size': I, 'gate': bool}` for dense shared experts (see `shared_experts`).
     """
     model_dim = _positive_int("model_dim", model_dim)
     world_size = _positive_int("world_size", world_size)
     if experts is None:
         raise ValueError("experts must be given: a dict such as {'type': 'ffn', 'count_per_node': 2, "
                          "'hidden_size_per_expert': 1024} or an object with init() and batched()")
+    shared = None
     if isinstance(experts, Mapping):
         spec = dict(experts)
+        if spec.get("shared") is not None:
+            shared = make_shared_experts(spec["shared"])
+        spec.pop("shared", None)
         if "count_per_node" in spec and "num_experts_per_device" in spec:
             raise ValueError("experts: give only one of 'count_per_node' and 'num_experts_per_device'")
         local = spec.get("count_per_node", spec.get("num_experts_per_device", 1))
@@ -153,6 +168,8 @@ def make_config(
     if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model") or (
             parallel_type.startswith("adaptive:") and parallel_type[9:].isdigit())):
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
+    if dropless_impl not in ("auto", "ragged", "bucketed"):
+        raise ValueError(f"dropless_impl must be 'auto', 'ragged' or 'bucketed', got {dropless_impl!r}")
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:
@@ -162,6 +179,7 @@ def make_config(
         is_postscore=bool(is_postscore), batch_prioritized_routing=bool(batch_prioritized_routing),
         normalize_gate=bool(normalize_gate), is_gshard_loss=bool(is_gshard_loss), a2a_ffn_overlap_degree=degree,
         parallel_type=parallel_type, use_2dh=bool(use_2dh), dtype=dtype, result_func=result_func,
+        shared_experts=shared, dropless_impl=dropless_impl,
     )
     config.adaptive_degree()  # validates r of 'adaptive:r' against the sharded count
     return config

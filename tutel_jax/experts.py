@@ -57,9 +57,16 @@ class Experts(Protocol):
     def batched(self, params: Any, x: jax.Array) -> jax.Array: ...
 
 
-def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """[T, K] x [E, K, N] with rows grouped by expert -> [T, N]."""
-    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, backend: str | None = None) -> jax.Array:
+    """[T, K] x [E, K, N] with rows grouped by expert -> [T, N].
+
+    backend None: `lax.ragged_dot`. Otherwise `pallas_kernels.gmm(..., implementation=backend)` ("auto": the
+    Pallas kernel on a GPU, the XLA reference elsewhere; "pallas", "interpret", "xla").
+    """
+    if backend is None:
+        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+    from pallas_kernels import gmm  # lazy: the default path does not need the kernels package
+    return gmm(x, w.astype(x.dtype), group_sizes, implementation=backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,7 @@ class FFNExperts:
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: int | None = None
+    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot, else pallas_kernels.gmm implementation
 
     def init(self, key, model_dim, num_experts, dtype):
         out_dim = self.output_dim or model_dim
@@ -111,11 +119,11 @@ class FFNExperts:
 
     def grouped(self, params, x, group_sizes):
         rows = group_row_experts(group_sizes, x.shape[0])
-        h = _grouped_matmul(x, jnp.swapaxes(params["batched_fc1_w"], 1, 2), group_sizes)
+        h = _grouped_matmul(x, jnp.swapaxes(params["batched_fc1_w"], 1, 2), group_sizes, self.kernel_backend)
         if "batched_fc1_bias" in params:
             h = h + params["batched_fc1_bias"].astype(h.dtype)[rows]
         h = self.activation_fn(h)
-        y = _grouped_matmul(h, params["batched_fc2_w"], group_sizes)
+        y = _grouped_matmul(h, params["batched_fc2_w"], group_sizes, self.kernel_backend)
         if "batched_fc2_bias" in params:
             y = y + params["batched_fc2_bias"].astype(y.dtype)[rows]
         return y
@@ -130,6 +138,7 @@ class LlamaFFNExperts:
 
     hidden_size_per_expert: int
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
+    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot, else pallas_kernels.gmm implementation
 
     def init(self, key, model_dim, num_experts, dtype):
         k1, k2, k3 = jax.random.split(key, 3)
@@ -151,18 +160,20 @@ class LlamaFFNExperts:
         return {"W_fc1": 2, "W_fc2": 2, "W_fc3": 1}
 
     def grouped(self, params, x, group_sizes):
-        gate = _grouped_matmul(x, params["W_fc1"], group_sizes)
-        up = _grouped_matmul(x, params["W_fc2"], group_sizes)
-        return _grouped_matmul(self.activation_fn(gate) * up, params["W_fc3"], group_sizes)
+        backend = self.kernel_backend
+        gate = _grouped_matmul(x, params["W_fc1"], group_sizes, backend)
+        up = _grouped_matmul(x, params["W_fc2"], group_sizes, backend)
+        return _grouped_matmul(self.activation_fn(gate) * up, params["W_fc3"], group_sizes, backend)
 
 
-def _ffn_factory(hidden_size_per_expert, activation_fn=None, has_fc1_bias=True, has_fc2_bias=True, output_dim=None):
+def _ffn_factory(hidden_size_per_expert, activation_fn=None, has_fc1_bias=True, has_fc2_bias=True, output_dim=None,
+                 kernel_backend=None):
     return FFNExperts(hidden_size_per_expert, _activation(activation_fn, "relu"), bool(has_fc1_bias),
-                      bool(has_fc2_bias), output_dim)
+                      bool(has_fc2_bias), output_dim, kernel_backend)
 
 
-def _llama_factory(hidden_size_per_expert, activation_fn=None):
-    return LlamaFFNExperts(hidden_size_per_expert, _activation(activation_fn, "silu"))
+def _llama_factory(hidden_size_per_expert, activation_fn=None, kernel_backend=None):
+    return LlamaFFNExperts(hidden_size_per_expert, _activation(activation_fn, "silu"), kernel_backend)
 
 
 EXPERT_TYPES: dict[str, Callable[..., Experts]] = {"ffn": _ffn_factory, "llama_ffn": _llama_factory}

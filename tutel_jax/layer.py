@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from . import dispatch
+from . import dropless
 from .config import MoEConfig
 from .losses import gshard_loss, load_importance_loss
 from .routing.plan import RoutingPlan, top_k_routing
+from .routing.router_plan import is_router_gate, route_with_router
 
-__all__ = ["MoEAux", "init_params", "moe_apply", "route"]
+__all__ = ["MoEAux", "init_params", "moe_apply", "route", "apply_shared_experts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +32,19 @@ class MoEAux:
       dispatch_count: [E] int32 assignments per expert before dropping.
       capacity: [] int32 Tutel's capacity C.
       dropped_fraction: [] float32 fraction of the k*S assignments dropped.
+      losses: {name: [] float32} every balance loss a router gate computes ('switch', 'gshard', 'seq_aux',
+        'z_loss'; see `routing.router_plan`), unweighted; empty for Tutel's gates.
     """
 
     l_aux: jax.Array
     dispatch_count: jax.Array
     capacity: jax.Array
     dropped_fraction: jax.Array
+    losses: dict = dataclasses.field(default_factory=dict)
 
 
 jax.tree_util.register_dataclass(
-    MoEAux, data_fields=["l_aux", "dispatch_count", "capacity", "dropped_fraction"], meta_fields=[])
+    MoEAux, data_fields=["l_aux", "dispatch_count", "capacity", "dropped_fraction", "losses"], meta_fields=[])
 
 
 def init_params(config: MoEConfig, key: jax.Array | None = None, *, seeds: tuple | None = None) -> dict:
@@ -57,11 +62,25 @@ def init_params(config: MoEConfig, key: jax.Array | None = None, *, seeds: tuple
             raise ValueError("init_params needs a PRNG `key` or Tutel `seeds`")
         keys = jax.random.split(key, num_gates + 1)
         gate_keys, expert_key = list(keys[:num_gates]), keys[num_gates]
-    return {
+    params = {
         "gates": [g.init(k, config.model_dim, config.num_global_experts, config.dtype)
                   for g, k in zip(config.gates, gate_keys)],
         "experts": config.experts.init(expert_key, config.model_dim, config.num_global_experts, config.dtype),
     }
+    if config.shared_experts is not None:
+        params["shared_experts"] = config.shared_experts.init(
+            jax.random.fold_in(expert_key, 1), config.model_dim, config.output_dim, config.dtype)
+    return params
+
+
+def apply_shared_experts(params: dict, tokens: jax.Array, y: jax.Array, config: MoEConfig) -> jax.Array:
+    """y [S, M_out] plus the shared experts' output on tokens [S, M] (y unchanged without shared experts)."""
+    if config.shared_experts is None:
+        return y
+    if "shared_experts" not in params:
+        raise ValueError("the config has shared experts but params has no 'shared_experts' entry")
+    shared = config.shared_experts.apply(params["shared_experts"], tokens.astype(config.dtype))
+    return y + shared.astype(y.dtype)
 
 
 def route(
@@ -78,8 +97,15 @@ def route(
     valid: jax.Array | None = None,
     num_tokens_for_capacity: int | jax.Array | None = None,
     max_count_reduce=None,
-) -> tuple[RoutingPlan, jax.Array]:
-    """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux); `valid` [S] masks padding tokens out."""
+    seq_len: int | None = None,
+    return_losses: bool = False,
+):
+    """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux); `valid` [S] masks padding tokens out.
+
+    Router gates (with `select` or `plan`: Mixtral, DeepSeek-V3, GPT-OSS, expert choice, ...) go through
+    `routing.router_plan.route_with_router`; Tutel's gates through softmax + `top_k_routing`. `seq_len` (tokens
+    per sequence) is used by the sequence-wise loss. With `return_losses` the result is (plan, l_aux, losses).
+    """
     gate = config.gate(gate_index)
     k = gate.k if top_k is None else top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -90,6 +116,12 @@ def route(
     except (TypeError, ValueError):
         raise ValueError(f"capacity_factor must be a number, got {cf!r}") from None
     num_experts = config.num_global_experts
+    if is_router_gate(gate):
+        plan, l_aux, losses = route_with_router(
+            gate, gate_params, x, num_experts, top_k=k, capacity_factor=cf, rng=rng, deterministic=deterministic,
+            batch_prioritized_routing=config.batch_prioritized_routing, alignment=alignment, valid=valid,
+            num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, seq_len=seq_len)
+        return (plan, l_aux, losses) if return_losses else (plan, l_aux)
 
     logits = gate.logits(gate_params, x)
     noisy = logits
@@ -114,23 +146,37 @@ def route(
     else:
         top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
         l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise, valid)
-    return plan, l_aux
+    return (plan, l_aux, {}) if return_losses else (plan, l_aux)
 
 
 def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    """Dropless path: permute -> grouped experts -> unpermute; no [E, C, M] padding."""
+    """Dropless path: permute -> grouped experts -> unpermute with no [E, C, M] padding ('ragged'), or the
+    capacity path at the smallest static bucket holding every assignment ('bucketed', see `tutel_jax.dropless`)."""
     experts = config.experts
     grouped = getattr(experts, "grouped", None)
+    if dropless.resolve_impl(config.dropless_impl, experts) == "bucketed":
+        caps = dropless.bucket_capacities(x.shape[0], plan.num_experts, plan.top_k)
+        if grouped is not None:  # bounded padding: beyond 4x the balanced load, fall back to the ragged path
+            overflow = (lambda: _run_ragged(expert_params, x, plan, config)) if caps[-1] < x.shape[0] else None
+        else:  # no grouped(): the ladder goes up to S, which always fits
+            caps = caps + ((x.shape[0],) if caps[-1] < x.shape[0] else ())
+            overflow = None
+        return dropless.run_bucketed(
+            plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config), overflow)
     if grouped is None:
         try:
             capacity = int(plan.capacity)  # concrete outside jit: use an exactly sized buffer
         except jax.errors.ConcretizationTypeError:
             raise ValueError("capacity_factor=0 (dropless) under jit needs experts with a grouped() method; "
                              f"{type(experts).__name__} has none. Use capacity_factor < 0 to bound the "
-                             "capacity, or call outside jit.") from None
+                             "capacity, dropless_impl='bucketed', or call outside jit.") from None
         return run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
+    return _run_ragged(expert_params, x, plan, config)
+
+
+def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
     rows = dispatch.permute(x, plan, config.is_postscore).astype(x.dtype)
-    out = grouped(expert_params, rows, plan.dispatch_count)
+    out = config.experts.grouped(expert_params, rows, plan.dispatch_count)
     return dispatch.unpermute(out, plan, config.is_postscore)
 
 
@@ -174,18 +220,20 @@ def moe_apply(
     tokens = x.reshape(-1, config.model_dim).astype(config.dtype)
     degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
     config.gate(gate_index)  # validates gate_index before indexing the parameters
-    plan, l_aux = route(
+    plan, l_aux, losses = route(
         params["gates"][gate_index], tokens, config,
         top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
         deterministic=deterministic, alignment=config.sharded_count * degree,
+        seq_len=orig_shape[-2] if len(orig_shape) >= 3 else None, return_losses=True,
     )
     if plan.buffer_capacity is None:
         y = run_experts_dropless(params["experts"], tokens, plan, config)
     else:
         y = run_experts_buffered(params["experts"], tokens, plan, config)
+    y = apply_shared_experts(params, tokens, y, config)
     y = y.reshape(orig_shape[:-1] + (y.shape[-1],)).astype(orig_dtype)
     if config.result_func is not None:
         y = config.result_func(y)
     aux = MoEAux(l_aux=l_aux.astype(jnp.float32), dispatch_count=plan.dispatch_count, capacity=plan.capacity,
-                 dropped_fraction=plan.dropped_fraction)
+                 dropped_fraction=plan.dropped_fraction, losses=losses)
     return y, aux

@@ -40,7 +40,8 @@ class MoELinen(nn.Module):
         config = self.config()
         params = self.param("moe", lambda key: init_params(config, key))
         gate = config.gate(gate_index)
-        rng = self.make_rng("gate_noise") if (not deterministic and gate.gate_noise > 0) else None
+        noisy = gate.gate_noise > 0 or getattr(gate, "jitter", 0) > 0
+        rng = self.make_rng("gate_noise") if (not deterministic and noisy) else None
         y, aux = moe_apply(params, x, config, top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index,
                            rng=rng, deterministic=deterministic)
         for name in ("l_aux", "dispatch_count", "capacity", "dropped_fraction"):

@@ -20,11 +20,28 @@ from .config import MoEConfig, make_config
 from .layer import MoEAux, init_params, moe_apply
 from .parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
 
-__all__ = ["MoE", "RoutingStat"]
+__all__ = ["MoE", "RoutingStat", "RouterState"]
 
 
 class RoutingStat(nnx.Variable):
     """Non-trainable record of the last call's routing (aux loss, counts, capacity, drops)."""
+
+
+class RouterState(nnx.Variable):
+    """Non-trainable router state kept in the parameter tree but updated outside the optimizer: DeepSeek-V3's
+    `e_score_correction_bias` (aux-loss-free balancing). Not an `nnx.Param`, so `nnx.Optimizer(layer, tx,
+    wrt=nnx.Param)` and `nnx.grad` (which differentiates `nnx.Param` by default) leave it alone; update it with
+    `MoE.update_correction_bias(rate)` after each step."""
+
+
+def _wrap_params(params):
+    """nnx.Param for every leaf except router state (`RouterState`)."""
+    from .routing.routers import CORRECTION_BIAS
+
+    def wrap(path, leaf):
+        last = path[-1] if path else None
+        return RouterState(leaf) if getattr(last, "key", None) == CORRECTION_BIAS else nnx.Param(leaf)
+    return jax.tree_util.tree_map_with_path(wrap, params)
 
 
 def _unbox(tree):
@@ -47,7 +64,11 @@ class MoE(nnx.Module):
     result_func, group (None on one device, or an `ExpertParallel` placement: mesh + expert axes, for expert
     parallelism; E = count_per_node x expert-axis size), seeds (gate seed, expert seed, noise seed),
     a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
-    parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds).
+    parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds),
+    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`).
+    Modern routers ('mixtral', 'qwen3_moe', 'deepseek_v3', 'gpt_oss', 'switch', 'expert_choice') and experts
+    ('swiglu', 'gpt_oss', with `'shared': {...}` shared experts) plug in through gate_type / experts; a DeepSeek
+    gate's `e_score_correction_bias` is a `RouterState` (not an `nnx.Param`): see `update_correction_bias`.
     The layer starts in training mode (gate noise on), like a torch module; `.eval()` turns it off.
     """
 
@@ -70,6 +91,7 @@ class MoE(nnx.Module):
         *,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
+        dropless_impl: str = "ragged",
         **kwargs: Any,
     ):
         if kwargs:
@@ -83,7 +105,8 @@ class MoE(nnx.Module):
             is_postscore=is_postscore,
             batch_prioritized_routing=batch_prioritized_routing, normalize_gate=normalize_gate,
             is_gshard_loss=is_gshard_loss, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree,
-            parallel_type=parallel_type, use_2dh=use_2dh, dtype=dtype, result_func=result_func)
+            parallel_type=parallel_type, use_2dh=use_2dh, dtype=dtype, result_func=result_func,
+            dropless_impl=dropless_impl)
         if seeds is not None:
             if len(seeds) < 2:
                 raise ValueError(f"seeds must be (gate seed, expert seed[, noise seed]), got {seeds!r}")
@@ -99,7 +122,7 @@ class MoE(nnx.Module):
                     scan_expert_func(name, value)
         if group is not None:
             params = shard_params(params, group, self.config)
-        self.params = nnx.data(jax.tree.map(nnx.Param, params))
+        self.params = nnx.data(_wrap_params(params))
         self.rngs = rngs
         self.deterministic = False
         num_experts = self.config.num_global_experts
@@ -130,7 +153,7 @@ class MoE(nnx.Module):
         deterministic = self.deterministic if deterministic is None else deterministic
         gate = self.config.gate(gate_index)
         rng = None
-        if not deterministic and gate.gate_noise > 0:
+        if not deterministic and (gate.gate_noise > 0 or getattr(gate, "jitter", 0) > 0):
             rng = self.rngs.noise() if "noise" in self.rngs else self.rngs()
         common = dict(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
                       deterministic=deterministic, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
@@ -170,6 +193,22 @@ class MoE(nnx.Module):
     def dropped_fraction(self) -> jax.Array:
         """[] float32 fraction of assignments dropped in the last call."""
         return self._dropped_fraction.get_value()
+
+    def update_correction_bias(self, rate: float, gate_index: int = 0, dispatch_count: jax.Array | None = None
+                               ) -> None:
+        """Aux-loss-free balancing: `bias += rate * sign(mean_load - load_e)` for the gate's
+        `e_score_correction_bias`, with the last call's `dispatch_count` (global under expert parallelism) unless
+        one is given (e.g. summed over micro-batches). Call it after the optimizer step, outside `nnx.grad`."""
+        from .losses import update_correction_bias
+        from .routing.routers import CORRECTION_BIAS
+        self.config.gate(gate_index)
+        state = self.params["gates"][gate_index]
+        if CORRECTION_BIAS not in state:
+            raise ValueError(f"gate {gate_index} has no {CORRECTION_BIAS} (use a 'deepseek_v3' gate with "
+                             "correction_bias=True)")
+        counts = self.dispatch_count if dispatch_count is None else dispatch_count
+        var = state[CORRECTION_BIAS]
+        var.set_value(update_correction_bias(var.get_value(), counts, rate))
 
     # -- parameters ------------------------------------------------------------------------------------------
     @property
@@ -212,6 +251,20 @@ class MoE(nnx.Module):
         """Writes `state_dict()` as a file Tutel's `torch.load` reads (atomically)."""
         from .checkpoint.torch_zip import save_torch_file
         save_torch_file(path, self.state_dict())
+
+    # -- runtime reconfiguration -----------------------------------------------------------------------------
+    def reconfigure(self, runtime: Any, *, optimizer: Any = None, devices: Any = None) -> None:
+        """Switches the layer, between two steps and without a restart, to a `tutel_jax.reconfigure.RuntimeConfig`:
+        a new mesh / expert-axis size (E / W experts per device, or W / E devices per expert), adaptive_r,
+        a2a_ffn_overlap_degree, use_2dh, and new gate defaults top_k / capacity_factor (None keeps them).
+
+        Validates first: a bad request raises ValueError and changes nothing. Then the parameters (global shapes
+        kept) and, when `optimizer` (an `nnx.Optimizer`) is given, its moments move to the new shardings with
+        `jax.device_put`, bit for bit. `nnx.jit` caches one compiled step per configuration, so switching back
+        does not recompile. See `tutel_jax.reconfigure.reconfigure_layer`.
+        """
+        from .reconfigure import reconfigure_layer
+        reconfigure_layer(self, runtime, optimizer=optimizer, devices=devices)
 
     @staticmethod
     def global_expert_count(num_local_experts: int, group: ExpertParallel | None = None) -> int:

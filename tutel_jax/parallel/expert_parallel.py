@@ -30,8 +30,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import dispatch
+from .. import dropless
 from ..config import MoEConfig
-from ..layer import MoEAux, route, run_experts_buffered, run_experts_dropless
+from ..layer import MoEAux, apply_shared_experts, route, run_experts_buffered, run_experts_dropless
 from ..routing.plan import align_capacity
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
 
@@ -139,8 +140,12 @@ def param_specs(params: Any, placement: ExpertParallel, config: MoEConfig | None
     For sharded experts (config.sharded_count > 1) the specs refer to `sharded_layout`'s mesh: each expert's
     hidden axis is split over its s devices as well."""
     gates = jax.tree.map(lambda _: P(), params["gates"])
+    extra = {}
+    if "shared_experts" in params:  # dense shared experts: replicated on every device
+        extra["shared_experts"] = jax.tree.map(lambda _: P(), params["shared_experts"])
     if config is None or config.sharded_count == 1:
-        return {"gates": gates, "experts": jax.tree.map(lambda _: placement.expert_spec(), params["experts"])}
+        return {"gates": gates, "experts": jax.tree.map(lambda _: placement.expert_spec(), params["experts"]),
+                **extra}
     e, q, t = EXPERT_AXES
 
     def spec(leaf, axis):
@@ -149,7 +154,8 @@ def param_specs(params: Any, placement: ExpertParallel, config: MoEConfig | None
             parts[axis] = (q, t)
         return P(*parts)
 
-    return {"gates": gates, "experts": jax.tree.map(spec, params["experts"], _hidden_axes(config, params["experts"]))}
+    return {"gates": gates, "experts": jax.tree.map(spec, params["experts"], _hidden_axes(config, params["experts"])),
+            **extra}
 
 
 def param_shardings(params: Any, placement: ExpertParallel, config: MoEConfig | None = None) -> Any:
@@ -204,6 +210,8 @@ def moe_apply_parallel(
     valid: jax.Array | None = None,
     inequivalent_tokens: bool = False,
     adaptive_r: int | None = None,
+    dropless_exchange: str = "padded",
+    recv_capacity: int | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Expert-parallel MoE over `placement.mesh`.
 
@@ -219,6 +227,14 @@ def moe_apply_parallel(
       inequivalent_tokens: agree the capacity over the expert group from the largest valid token count.
       adaptive_r: Tutel's r for this call (default from `config.parallel_type`): 0, or a divisor of the
         sharded count s (1 when experts are not sharded).
+      dropless_exchange: how capacity_factor == 0 crosses devices: 'padded' (all_to_all of [E, C, M] at the
+        smallest static bucket >= the group's max count, topped by S_local: never drops), 'ragged'
+        (`lax.ragged_all_to_all`, see `parallel.ragged_dropless`; GPU/TPU only, with the padded path as the
+        fallback beyond `recv_capacity`), 'auto' (ragged where the backend supports it, else padded), or
+        'emulated' (the ragged algorithm over an all_to_all emulation of ragged_all_to_all: a CPU test stand-in).
+        The ragged forms apply to flat expert axes with whole experts (count_per_node > 0, no 2DH); other
+        layouts use 'padded'.
+      recv_capacity: rows each device can receive in the ragged exchange (default 2 x k x S_local).
 
     Returns:
       (y [B, ..., M_out], aux) where aux.l_aux is the mean of the per-device losses, aux.dispatch_count the sum
@@ -241,6 +257,16 @@ def moe_apply_parallel(
         mesh, token_axes, expert_axes = placement.mesh, placement.token_axes, placement.expert_axes
     alignment = s * degree
     model_dim = config.model_dim
+    if dropless_exchange not in ("padded", "ragged", "auto", "emulated"):
+        raise ValueError(f"dropless_exchange must be 'padded', 'ragged', 'auto' or 'emulated', "
+                         f"got {dropless_exchange!r}")
+    exchange = None
+    if dropless_exchange != "padded" and s == 1 and not use_2dh:
+        from .ragged_dropless import emulated_ragged_all_to_all, ragged_supported
+        if dropless_exchange == "emulated":
+            exchange = emulated_ragged_all_to_all
+        elif dropless_exchange == "ragged" or ragged_supported():
+            exchange = lax.ragged_all_to_all
     hidden_axes = _hidden_axes(config, params["experts"]) if s > 1 else None
 
     def gather_all_experts(local_params):
@@ -290,10 +316,11 @@ def moe_apply_parallel(
         if inequivalent_tokens:
             local_count = num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32))
             count_for_capacity = lax.pmax(local_count, expert_axes)
-        plan, l_aux = route(
+        plan, l_aux, losses = route(
             params["gates"][gate_index], tokens, config, top_k=top_k, capacity_factor=capacity_factor,
             gate_index=gate_index, rng=rng, deterministic=deterministic, alignment=alignment, valid=mask,
-            num_tokens_for_capacity=count_for_capacity, max_count_reduce=lambda c: lax.pmax(c, expert_axes))
+            num_tokens_for_capacity=count_for_capacity, max_count_reduce=lambda c: lax.pmax(c, expert_axes),
+            seq_len=x.shape[-2] if x.ndim >= 3 else None, return_losses=True)
         if r == 0:  # data parallel: all experts here, no exchange
             full = gather_all_experts(params["experts"])
             if plan.buffer_capacity is None:
@@ -301,16 +328,37 @@ def moe_apply_parallel(
             else:
                 y = run_experts_buffered(full, tokens, plan, config)
         else:
-            if plan.buffer_capacity is None:
-                # dropless across devices: one rank sends at most S tokens to an expert (k choices are distinct)
-                plan = plan.with_buffer_capacity(align_capacity(num_tokens, alignment))
             expert_params = params["experts"] if s == 1 else replica_params(params["experts"])
-            buf = dispatch.fast_encode(tokens, plan, config.is_postscore).astype(tokens.dtype)  # [E, C, M]
-            chunk = buf.shape[1] // degree
-            # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
-            outputs = [exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params) for i in range(degree)]
-            out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
-            y = dispatch.fast_decode(out, plan, config.is_postscore)
+
+            def run_at(plan):
+                buf = dispatch.fast_encode(tokens, plan, config.is_postscore).astype(tokens.dtype)  # [E, C, M]
+                chunk = buf.shape[1] // degree
+                # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
+                outputs = [exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params)
+                           for i in range(degree)]
+                out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
+                return dispatch.fast_decode(out, plan, config.is_postscore)
+
+            if plan.buffer_capacity is None:
+                # dropless across devices, padded all_to_all: the smallest of a few static capacities >= the
+                # group's max count (plan.capacity, the same on every device, so every device takes the same
+                # branch). Bound: a rank sends at most S_local assignments to one expert (a token's k experts
+                # are distinct), so the top bucket, S_local, always fits: nothing is ever dropped.
+                top = align_capacity(num_tokens, alignment)
+                caps = dropless.bucket_capacities(num_tokens, config.num_global_experts, plan.top_k,
+                                                  alignment=alignment, max_capacity=top)
+                caps = caps + ((top,) if caps[-1] < top else ())
+                padded = lambda: dropless.run_bucketed(plan, caps, run_at, need=plan.capacity)
+                if exchange is None:
+                    y = padded()
+                else:
+                    from .ragged_dropless import ragged_dropless_experts
+                    y = ragged_dropless_experts(
+                        tokens, plan, expert_params, config.experts, expert_axes, is_postscore=config.is_postscore,
+                        recv_capacity=recv_capacity, fallback=padded, exchange=exchange).astype(tokens.dtype)
+            else:
+                y = run_at(plan)
+        y = apply_shared_experts(params, tokens, y, config)
         y = y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
         kept = plan.kept if mask is None else plan.kept & mask[None, :]
         total = plan.kept.shape[0] * (num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32)))
@@ -321,6 +369,7 @@ def moe_apply_parallel(
             capacity=lax.pmax(plan.capacity, token_axes),
             dropped_fraction=(lax.psum(dropped, token_axes).astype(jnp.float32)
                               / jnp.maximum(lax.psum(total, token_axes), 1).astype(jnp.float32)),
+            losses=jax.tree.map(lambda v: lax.pmean(v.astype(jnp.float32), token_axes), losses),
         )
         return y, aux
 

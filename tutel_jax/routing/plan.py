@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RoutingPlan", "top_k_routing", "static_capacity", "align_capacity", "slot_positions"]
+__all__ = ["RoutingPlan", "top_k_routing", "plan_from_choices", "static_capacity", "align_capacity", "slot_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,23 +182,60 @@ def top_k_routing(
     top_scores, top_ids = jax.lax.top_k(scores, top_k)  # descending, ties to the lower expert index
     expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
     gates = top_scores.T  # [k, S]
+    if valid is not None:
+        gates = jnp.where(valid[None, :], gates, 0)
+    if top_k > 1 and normalize_gate:
+        denom = jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
+        gates = gates / denom
+    priority = jnp.max(scores, axis=1) if batch_prioritized_routing else None
+    return plan_from_choices(
+        expert_ids, gates, num_experts, capacity_factor, priority=priority, alignment=alignment, valid=valid,
+        num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce)
 
+
+def plan_from_choices(
+    expert_ids: jax.Array,
+    gates: jax.Array,
+    num_experts: int,
+    capacity_factor: float = 1.0,
+    *,
+    priority: jax.Array | None = None,
+    alignment: int = 1,
+    valid: jax.Array | None = None,
+    num_tokens_for_capacity: int | jax.Array | None = None,
+    max_count_reduce=None,
+) -> RoutingPlan:
+    """A routing plan from any router's choices: Tutel's slots, counts and capacity for given experts and weights.
+
+    Args:
+      expert_ids: [k, S] int, expert of choice j of token s (the k experts of a token must be distinct).
+      gates: [k, S] float combine weights, final (no normalisation is applied here).
+      num_experts: E.
+      capacity_factor: > 0 fixed capacity `k * int(cf * ceil(S/E))`; == 0 dropless (C = max count);
+        < 0 `min(max count, k * int(-cf * ceil(S/E)))` (Tutel's rules).
+      priority: optional [S] scores; tokens are placed in descending order of priority (stable sort), i.e.
+        Tutel's batch-prioritized routing when it is the best score of each token. None: token order.
+      alignment, valid, num_tokens_for_capacity, max_count_reduce: as in `top_k_routing`. Padding tokens
+        (valid False) take no slot, count nowhere and get weight 0.
+
+    Returns:
+      A RoutingPlan; `buffer_capacity` is None for capacity_factor == 0.
+    """
+    if expert_ids.ndim != 2 or gates.shape != expert_ids.shape:
+        raise ValueError(f"expert_ids and gates must both be [k, S], got {expert_ids.shape} and {gates.shape}")
+    top_k, num_tokens = expert_ids.shape
+    expert_ids = expert_ids.astype(jnp.int32)
     slot_ids, num_slot_experts = expert_ids, num_experts
     if valid is not None:  # padding tokens go to an extra expert E, placed after every real one
         slot_ids, num_slot_experts = jnp.where(valid[None, :], expert_ids, num_experts), num_experts + 1
         gates = jnp.where(valid[None, :], gates, 0)
-    priority = None
-    if batch_prioritized_routing:
-        best = jnp.max(scores, axis=1)
-        priority = jnp.argsort(-(best if valid is None else jnp.where(valid, best, -jnp.inf)), stable=True)
-    locations, counts = slot_positions(slot_ids, num_slot_experts, priority)
+    order = None
+    if priority is not None:
+        order = jnp.argsort(-(priority if valid is None else jnp.where(valid, priority, -jnp.inf)), stable=True)
+    locations, counts = slot_positions(slot_ids, num_slot_experts, order)
     counts = counts[:num_experts]
     if valid is not None:
         locations = jnp.where(valid[None, :], locations, jnp.iinfo(jnp.int32).max)
-
-    if top_k > 1 and normalize_gate:
-        denom = jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
-        gates = gates / denom
 
     if num_tokens_for_capacity is None:
         num_tokens_for_capacity = num_tokens if valid is None else jnp.sum(valid.astype(jnp.int32))

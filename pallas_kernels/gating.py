@@ -1,0 +1,465 @@
+"""Fused gating: router scores -> top-k -> Tutel slot locations, in one kernel family.
+
+Op: `gating(logits[S, E], k, ...) -> GatingResult(expert_ids[k, S], locations[k, S], weights[k, S],
+counts[E], scores[S, E])`, plus the building block `slot_positions(expert_ids[k, S], E)`.
+
+Semantics (the XLA reference, `gating_reference`, is bit-identical to `tutel_jax.routing.plan.top_k_routing`
+for softmax scores; the tests check it):
+  - scores: `softmax(logits)` (Tutel, Mixtral, Qwen) or `sigmoid(logits)` (DeepSeek-V3, Kimi-K2, GLM), in float32.
+  - selection score: `scores + correction_bias` (bias optional); with `n_group > 1`, experts form `n_group`
+    contiguous groups, a group scores the sum of its two best selection scores, the best `topk_group` groups
+    are kept and every other expert's selection score becomes `group_fill_value` (0.0 as in HF transformers;
+    DeepSeek's own inference code uses -inf).
+  - top-k: descending selection score, ties to the lower expert index (like `lax.top_k`).
+  - weights: the UNBIASED score of each chosen expert. softmax: divided by max(sum over k, eps) when
+    `normalize` and k > 1 (Tutel's `normalize_gate`); sigmoid: divided by (sum + 1e-20) when `normalize`
+    (HF `norm_topk_prob`). Then times `routed_scaling_factor`.
+  - locations: Tutel's slots: the number of earlier assignments to the same expert, "earlier" meaning a lower
+    choice index, or the same choice and an earlier token (in descending best-score order with
+    `batch_prioritized_routing`, stable). counts[e] = assignments to e. Capacity and dropping are left to the
+    caller (a slot >= capacity is dropped), exactly as in `top_k_routing`.
+
+Kernel family (Triton backend), three steps, no atomics:
+  1. `_gating_kernel`, grid over blocks of `block_tokens` tokens: each program loads its [BT, E] logits tile
+     (E padded to a power of two, masked), computes the scores, the group mask and k rounds of
+     "max, lowest index attaining it, knock it out", the weights, and for each choice j the rank of each token
+     among the block's tokens with the same expert (a [BT, BT] comparison, independent of E) and the block's
+     per-expert counts [k, nb, E].
+  2. XLA: an exclusive cumsum of the small [k * nb, E] count table in (choice, block) order: the number of
+     assignments that precede each (choice, block) pair for every expert. This is Tutel's cumsum, done on
+     block totals instead of on an [S, E] one-hot.
+  3. `_locate_kernel`: location = in-block rank + offset[(choice, block), expert] (one gather per choice).
+The scores tile stays in registers: E <= 1024 is supported (larger E falls back to XLA under "auto").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ._select import NotSupported, choose
+from ._util import cdiv, check_pow2, col, next_pow2, row, triton_call
+
+__all__ = ["GatingConfig", "GatingResult", "gating", "gating_reference", "slot_positions",
+           "slot_positions_reference", "default_gating_config", "MAX_KERNEL_EXPERTS"]
+
+#: largest expert count the gating kernel keeps in one register tile
+MAX_KERNEL_EXPERTS = 1024
+_SCORE_FNS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatingConfig:
+    """Tiling of the gating kernels.
+
+    Attributes:
+      block_tokens: tokens per program (power of two). The [block_tokens, E_pad] score tile lives in registers;
+        block_tokens * E_pad of about 8K float32 keeps it there with 4-8 warps.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_tokens: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        check_pow2("block_tokens", self.block_tokens, 8)
+        check_pow2("num_warps", self.num_warps)
+
+
+def default_gating_config(num_tokens: int, num_experts: int) -> GatingConfig:
+    """A config keeping the [BT, E_pad] tile at about 8K elements."""
+    ep = next_pow2(num_experts)
+    bt = max(16, min(128, 8192 // ep))
+    bt = min(bt, max(16, next_pow2(num_tokens)))
+    return GatingConfig(block_tokens=1 << (bt.bit_length() - 1), num_warps=8 if ep >= 256 else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatingResult:
+    """Output of `gating`.
+
+    Attributes:
+      expert_ids: [k, S] int32, expert of choice j of token s (descending selection score).
+      locations: [k, S] int32, Tutel slot of that assignment inside its expert (before dropping).
+      weights: [k, S] float32 combine weights.
+      counts: [E] int32 assignments per expert (Tutel's dispatch_count).
+      scores: [S, E] float32 router scores (softmax or sigmoid, without the correction bias), for aux losses.
+    """
+
+    expert_ids: jax.Array
+    locations: jax.Array
+    weights: jax.Array
+    counts: jax.Array
+    scores: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    GatingResult, data_fields=["expert_ids", "locations", "weights", "counts", "scores"], meta_fields=[])
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+
+def slot_positions_reference(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
+    """Tutel's slots ([k, S] int32) and per-expert counts ([E] int32); the algorithm of
+    `tutel_jax.routing.plan.slot_positions` (a stable sort of the choice-major assignment list)."""
+    k, num_tokens = expert_ids.shape
+    expert_ids = expert_ids.astype(jnp.int32)
+    ordered = expert_ids if priority_order is None else expert_ids[:, priority_order]
+    flat = ordered.reshape(-1)  # choice-major, then placement order: Tutel's precedence
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    starts = jnp.cumsum(counts) - counts
+    order = jnp.argsort(flat, stable=True)
+    rank = jnp.zeros((k * num_tokens,), jnp.int32).at[order].set(jnp.arange(k * num_tokens, dtype=jnp.int32))
+    slots = (rank - starts[flat]).reshape(k, num_tokens)
+    if priority_order is not None:
+        slots = jnp.zeros_like(slots).at[:, priority_order].set(slots)
+    return slots, counts
+
+
+def _group_limit_reference(sel: jax.Array, n_group: int, topk_group: int, fill: float) -> jax.Array:
+    num_tokens, num_experts = sel.shape
+    grouped = sel.reshape(num_tokens, n_group, num_experts // n_group)
+    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # sum of the two best per group
+    _, keep = lax.top_k(group_scores, topk_group)
+    group_mask = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], keep].set(True)
+    mask = jnp.repeat(group_mask, num_experts // n_group, axis=1)
+    return jnp.where(mask, sel, jnp.float32(fill))
+
+
+def _priority(scores: jax.Array) -> jax.Array:
+    """Tutel's batch-prioritized placement order: descending best score, stable."""
+    return jnp.argsort(-jnp.max(scores, axis=1), stable=True)
+
+
+def gating_reference(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    score_fn: str = "softmax",
+    correction_bias: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int | None = None,
+    group_fill_value: float = 0.0,
+    normalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    batch_prioritized_routing: bool = False,
+) -> GatingResult:
+    """Plain-JAX gating with the semantics in the module docstring (same signature as `gating`)."""
+    num_experts, k, n_group, topk_group = _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group)
+    x = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(x, axis=1) if score_fn == "softmax" else jax.nn.sigmoid(x)
+    sel = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
+    if n_group > 1:
+        sel = _group_limit_reference(sel, n_group, topk_group, group_fill_value)
+    top_sel, top_ids = lax.top_k(sel, k)  # descending, ties to the lower index
+    expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
+    # without a bias or group limit the selected values ARE the scores (bit-identical to top_k_routing)
+    weights = top_sel.T if sel is scores else jnp.take_along_axis(scores, top_ids, axis=1).T
+    weights = _normalize(weights, k, score_fn, normalize, routed_scaling_factor)
+    priority = _priority(scores) if batch_prioritized_routing else None
+    locations, counts = slot_positions_reference(expert_ids, num_experts, priority)
+    return GatingResult(expert_ids, locations, weights, counts, scores)
+
+
+def _normalize(weights: jax.Array, k: int, score_fn: str, normalize: bool, scale: float) -> jax.Array:
+    if normalize and score_fn == "softmax" and k > 1:  # Tutel normalize_gate
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=0, keepdims=True), jnp.finfo(jnp.float32).eps)
+    elif normalize and score_fn == "sigmoid":  # HF norm_topk_prob
+        weights = weights / (jnp.sum(weights, axis=0, keepdims=True) + 1e-20)
+    if scale != 1.0:
+        weights = weights * jnp.float32(scale)
+    return weights
+
+
+def _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group):
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [S, E], got shape {logits.shape}")
+    num_experts = logits.shape[1]
+    if score_fn not in _SCORE_FNS:
+        raise ValueError(f"score_fn must be one of {_SCORE_FNS}, got {score_fn!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if correction_bias is not None and correction_bias.shape != (num_experts,):
+        raise ValueError(f"correction_bias must be [E={num_experts}], got {correction_bias.shape}")
+    n_group = int(n_group)
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must divide E={num_experts}, got {n_group}")
+    if n_group > 1 and num_experts // n_group < 2:
+        raise ValueError("group-limited routing needs at least 2 experts per group")
+    topk_group = n_group if topk_group is None else int(topk_group)
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    return num_experts, min(top_k, num_experts), n_group, topk_group
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+
+
+def _lowest_argmax(values: jax.Array, cols: jax.Array, width: int) -> jax.Array:
+    """[BT, W] -> [BT] int32: the lowest column attaining the row maximum (lax.top_k's tie rule)."""
+    best = jnp.max(values, axis=1, keepdims=True)
+    return jnp.min(jnp.where(values == best, cols[None, :], width), axis=1)
+
+
+def _rank_and_count(ids: jax.Array, valid: jax.Array, cols: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For one choice: each token's rank among the block's earlier tokens with the same expert, and the
+    block's per-expert counts. [BT] ids -> ([BT] int32, [E_pad] int32)."""
+    bt = ids.shape[0]
+    pos = jnp.arange(bt, dtype=jnp.int32)
+    earlier = (pos[:, None] < pos[None, :]) & valid[:, None]  # [t', t]: t' placed before t
+    same = (ids[:, None] == ids[None, :]) & earlier
+    rank = jnp.sum(same.astype(jnp.int32), axis=0)
+    onehot = (ids[:, None] == cols[None, :]) & valid[:, None]
+    return rank, jnp.sum(onehot.astype(jnp.int32), axis=0)
+
+
+def _gating_kernel(logits_ref, bias_ref, ids_ref, w_ref, rank_ref, counts_ref, scores_ref, *,
+                   num_tokens, num_experts, ep, bt, k, score_fn, use_bias, n_group, topk_group, fill,
+                   normalize, scale):
+    b = pl.program_id(0)
+    rows = b * bt + jnp.arange(bt, dtype=jnp.int32)
+    valid = rows < num_tokens
+    cols = jnp.arange(ep, dtype=jnp.int32)
+    cmask = cols < num_experts
+    tile_mask = valid[:, None] & cmask[None, :]
+    neg = jnp.float32(-jnp.inf)
+
+    x = plt.load(logits_ref.at[row(rows), col(cols)], mask=tile_mask, other=0).astype(jnp.float32)
+    if score_fn == "softmax":
+        x = jnp.where(cmask[None, :], x, neg)  # padded experts get probability exactly 0
+        e = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+        scores = e / jnp.sum(e, axis=1, keepdims=True)
+    else:
+        scores = jax.nn.sigmoid(x)
+    sel = scores
+    if use_bias:
+        sel = sel + plt.load(bias_ref.at[cols], mask=cmask, other=0).astype(jnp.float32)[None, :]
+    sel = jnp.where(cmask[None, :], sel, neg)
+
+    if n_group > 1:
+        # group score = sum of the group's two best selection scores; keep the best topk_group groups
+        gsize = num_experts // n_group
+        group_of = cols // gsize
+        group_scores = []
+        for g in range(n_group):
+            sel_g = jnp.where((group_of == g)[None, :], sel, neg)
+            first = _lowest_argmax(sel_g, cols, ep)
+            top1 = jnp.max(sel_g, axis=1)
+            top2 = jnp.max(jnp.where(cols[None, :] == first[:, None], neg, sel_g), axis=1)
+            group_scores.append(top1 + top2)
+        chosen = [jnp.zeros((bt,), jnp.bool_) for _ in range(n_group)]
+        for _ in range(topk_group):
+            avail = [jnp.where(chosen[g], neg, group_scores[g]) for g in range(n_group)]
+            best = avail[0]
+            for g in range(1, n_group):
+                best = jnp.maximum(best, avail[g])
+            taken = jnp.zeros((bt,), jnp.bool_)
+            for g in range(n_group):  # lowest group index wins a tie
+                hit = (avail[g] == best) & ~taken
+                chosen[g] = chosen[g] | hit
+                taken = taken | hit
+        keep = jnp.zeros((bt, ep), jnp.bool_)
+        for g in range(n_group):
+            keep = keep | (chosen[g][:, None] & (group_of == g)[None, :])
+        sel = jnp.where(keep, sel, jnp.float32(fill))
+        sel = jnp.where(cmask[None, :], sel, neg)
+
+    ids, weights = [], []
+    for _ in range(k):  # k rounds of "take the best, knock it out"
+        idx = jnp.minimum(_lowest_argmax(sel, cols, ep), num_experts - 1)  # clamp: a NaN row stays in range
+        hit = cols[None, :] == idx[:, None]
+        weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
+        sel = jnp.where(hit, neg, sel)
+        ids.append(idx)
+
+    total = weights[0]
+    for w in weights[1:]:
+        total = total + w
+    if normalize and score_fn == "softmax" and k > 1:
+        denom = jnp.maximum(total, jnp.float32(jnp.finfo(jnp.float32).eps))
+        weights = [w / denom for w in weights]
+    elif normalize and score_fn == "sigmoid":
+        denom = total + jnp.float32(1e-20)
+        weights = [w / denom for w in weights]
+    if scale != 1.0:
+        weights = [w * jnp.float32(scale) for w in weights]
+
+    plt.store(scores_ref.at[row(rows), col(cols)], scores, mask=tile_mask)
+    for j in range(k):
+        plt.store(ids_ref.at[j, rows], ids[j], mask=valid)
+        plt.store(w_ref.at[j, rows], weights[j], mask=valid)
+        rank, count = _rank_and_count(ids[j], valid, cols)
+        plt.store(rank_ref.at[j, rows], rank, mask=valid)
+        plt.store(counts_ref.at[j, b, cols], count, mask=cmask)
+
+
+def _rank_kernel(ids_ref, rank_ref, counts_ref, *, num_tokens, num_experts, ep, bt, k):
+    b = pl.program_id(0)
+    rows = b * bt + jnp.arange(bt, dtype=jnp.int32)
+    valid = rows < num_tokens
+    cols = jnp.arange(ep, dtype=jnp.int32)
+    cmask = cols < num_experts
+    for j in range(k):
+        ids = plt.load(ids_ref.at[j, rows], mask=valid, other=0)
+        rank, count = _rank_and_count(ids, valid, cols)
+        plt.store(rank_ref.at[j, rows], rank, mask=valid)
+        plt.store(counts_ref.at[j, b, cols], count, mask=cmask)
+
+
+def _locate_kernel(ids_ref, rank_ref, offsets_ref, loc_ref, *, num_tokens, num_experts, bt, k, nb):
+    b = pl.program_id(0)
+    rows = b * bt + jnp.arange(bt, dtype=jnp.int32)
+    valid = rows < num_tokens
+    for j in range(k):
+        ids = plt.load(ids_ref.at[j, rows], mask=valid, other=0)
+        rank = plt.load(rank_ref.at[j, rows], mask=valid, other=0)
+        ok = valid & (ids >= 0) & (ids < num_experts)
+        offset = plt.load(offsets_ref.at[j * nb + b, ids], mask=ok, other=0)
+        plt.store(loc_ref.at[j, rows], rank + offset, mask=valid)
+
+
+def _locations_from_blocks(ids, ranks, block_counts, num_experts, cfg, interpret):
+    """Steps 2 and 3: exclusive prefix of the block counts, then location = rank + prefix."""
+    k, num_tokens = ids.shape
+    nb = block_counts.shape[1]
+    table = block_counts.reshape(k * nb, num_experts)  # rows in Tutel's precedence: choice, then token block
+    offsets = jnp.cumsum(table, axis=0) - table
+    counts = jnp.sum(table, axis=0)
+    kernel = lambda *refs: _locate_kernel(*refs, num_tokens=num_tokens, num_experts=num_experts,
+                                          bt=cfg.block_tokens, k=k, nb=nb)
+    locations = triton_call(kernel, out_shape=jax.ShapeDtypeStruct((k, num_tokens), jnp.int32), grid=(nb,),
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+                            name="tutel_locate")(ids, ranks, offsets)
+    return locations, counts
+
+
+def _slot_positions_kernel(expert_ids, num_experts, cfg, interpret):
+    k, num_tokens = expert_ids.shape
+    ep, bt = next_pow2(num_experts), cfg.block_tokens
+    nb = cdiv(num_tokens, bt)
+    kernel = lambda *refs: _rank_kernel(*refs, num_tokens=num_tokens, num_experts=num_experts, ep=ep, bt=bt, k=k)
+    ranks, block_counts = triton_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((k, num_tokens), jnp.int32),
+                   jax.ShapeDtypeStruct((k, nb, num_experts), jnp.int32)),
+        grid=(nb,), num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+        name="tutel_slot_rank")(expert_ids)
+    return _locations_from_blocks(expert_ids, ranks, block_counts, num_experts, cfg, interpret)
+
+
+def _check_kernel_experts(num_experts: int, limit: int):
+    def check():
+        if next_pow2(num_experts) > limit:
+            raise NotSupported(f"{num_experts} experts exceed the kernel's register tile ({limit})")
+    return check
+
+
+# ------------------------------------------------------------------------------------------------------ ops
+
+
+def slot_positions(
+    expert_ids: jax.Array,
+    num_experts: int,
+    priority_order: jax.Array | None = None,
+    *,
+    implementation: str | None = "auto",
+    config: GatingConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Tutel's slot of every assignment and the per-expert counts.
+
+    Args:
+      expert_ids: [k, S] int32 in [0, E).
+      num_experts: E.
+      priority_order: optional [S] permutation: tokens are placed in this order instead of token order.
+      implementation: "auto", "xla", "pallas" or "interpret".
+      config: kernel tiling (default: `default_gating_config`).
+
+    Returns:
+      (locations [k, S] int32, counts [E] int32), equal to `tutel_jax.routing.plan.slot_positions`.
+    """
+    k, num_tokens = expert_ids.shape
+    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS))
+    if impl == "xla":
+        return slot_positions_reference(expert_ids, num_experts, priority_order)
+    cfg = config or default_gating_config(num_tokens, num_experts)
+    ids = expert_ids.astype(jnp.int32)
+    if priority_order is not None:
+        ids = ids[:, priority_order]
+    locations, counts = _slot_positions_kernel(ids, num_experts, cfg, impl == "interpret")
+    if priority_order is not None:
+        locations = jnp.zeros_like(locations).at[:, priority_order].set(locations)
+    return locations, counts
+
+
+def gating(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    score_fn: str = "softmax",
+    correction_bias: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int | None = None,
+    group_fill_value: float = 0.0,
+    normalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    batch_prioritized_routing: bool = False,
+    implementation: str | None = "auto",
+    config: GatingConfig | None = None,
+) -> GatingResult:
+    """Router scores, top-k choices, combine weights and Tutel slot locations (see the module docstring).
+
+    Args:
+      logits: [S, E] router logits (any float dtype; computed in float32).
+      top_k: k >= 1, clipped to E like Tutel.
+      score_fn: "softmax" or "sigmoid".
+      correction_bias: optional [E] bias added to the scores for selection only (DeepSeek-V3).
+      n_group, topk_group: group-limited selection (DeepSeek-V3's n_group / topk_group); n_group=1 disables it.
+      group_fill_value: selection score given to experts of dropped groups (HF: 0.0; DeepSeek inference: -inf).
+      normalize: Tutel's normalize_gate (softmax) or HF's norm_topk_prob (sigmoid).
+      routed_scaling_factor: multiplies the final weights.
+      batch_prioritized_routing: place tokens in descending order of their best score (Tutel).
+      implementation: "auto", "xla", "pallas" or "interpret".
+      config: kernel tiling (default: `default_gating_config`).
+
+    Returns:
+      GatingResult; no token is dropped here (compare locations with the capacity).
+    """
+    num_experts, k, n_group, topk_group = _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group)
+    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS))
+    options = dict(score_fn=score_fn, correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                   group_fill_value=group_fill_value, normalize=normalize,
+                   routed_scaling_factor=routed_scaling_factor, batch_prioritized_routing=batch_prioritized_routing)
+    if impl == "xla":
+        return gating_reference(logits, k, **options)
+    interpret = impl == "interpret"
+    num_tokens = logits.shape[0]
+    cfg = config or default_gating_config(num_tokens, num_experts)
+    ep, bt = next_pow2(num_experts), cfg.block_tokens
+    nb = cdiv(num_tokens, bt)
+    bias = jnp.zeros((num_experts,), jnp.float32) if correction_bias is None else correction_bias
+    kernel = lambda *refs: _gating_kernel(
+        *refs, num_tokens=num_tokens, num_experts=num_experts, ep=ep, bt=bt, k=k, score_fn=score_fn,
+        use_bias=correction_bias is not None, n_group=n_group, topk_group=topk_group,
+        fill=float(group_fill_value), normalize=bool(normalize), scale=float(routed_scaling_factor))
+    ids, weights, ranks, block_counts, scores = triton_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((k, num_tokens), jnp.int32),
+                   jax.ShapeDtypeStruct((k, num_tokens), jnp.float32),
+                   jax.ShapeDtypeStruct((k, num_tokens), jnp.int32),
+                   jax.ShapeDtypeStruct((k, nb, num_experts), jnp.int32),
+                   jax.ShapeDtypeStruct((num_tokens, num_experts), jnp.float32)),
+        grid=(nb,), num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+        name="tutel_gating")(logits, bias)
+    if batch_prioritized_routing:  # the placement order depends on all tokens: re-rank in that order
+        locations, counts = slot_positions(ids, num_experts, _priority(scores), implementation=impl, config=cfg)
+    else:
+        locations, counts = _locations_from_blocks(ids, ranks, block_counts, num_experts, cfg, interpret)
+    return GatingResult(ids, locations, weights, counts, scores)

@@ -1,0 +1,286 @@
+"""Quantized matmul: activations x FP8-block / MXFP4 / NVFP4 weights, dequantized inside the kernel.
+
+Ops:
+  quant_matmul(x[M, K], w[N, K] quantized) -> [M, N] = x @ dequant(w).T            (dense layers, decode)
+  quant_gmm(x[T, K], w[G, N, K] quantized, group_sizes[G]) -> [T, N]               (MoE experts, rows by expert)
+Weights keep the HF [out, in] layout (formats in quant.py). The references dequantize with the NumPy-exact
+dequantizers and multiply in float32 at HIGHEST precision.
+
+Kernel: the grouped-matmul kernel of gmm.py (same tile schedule, grid and split-K) with a weight-tile loader
+per format that turns the quantized bytes of one [block_n, block_k] tile into compute-dtype values in registers:
+  - FP8 block: e4m3 -> compute dtype (exact in bf16); the 128x128 scale is constant over a K step (block_k
+    divides 128), so it multiplies the step's float32 partial product per output column (DeepSeek's trick:
+    no per-element scale multiply, and no rounding of w * scale to bf16).
+  - MXFP4: bytes -> two E2M1 nibbles by integer ops (low nibble = even element) times 2**(s - 127) built from
+    the exponent bits; exact in bf16. The two halves are interleaved in registers (Triton join + reshape).
+  - NVFP4: nibbles times float32(e4m3 block scale) (exact in bf16: at most 6 significant bits); the per-tensor
+    global scale divides the float32 accumulator once at the end.
+With bf16 activations the products are therefore exact and only the float32 accumulation order differs from
+the reference.
+
+Intended tiling (decode, M <= 64, memory bound; target >= 60% of the roofline of the quantized bytes):
+block_m = next_pow2(M) (>= 16, the MMA minimum), block_n = 64, block_k = 128 (one FP8 scale block, four MXFP4
+groups, eight NVFP4 groups), and split-K so that N tiles x splits >= 2 programs per SM (264 on an H100/H200):
+each program streams a [64, 128] byte tile per step (8 KiB FP8, 4 KiB FP4) with 3-4 pipeline stages in flight.
+The float32 partials [splits, M, N] are tiny at decode sizes and summed by XLA (deterministic, no atomics).
+Prefill (large M) uses the gmm tiles (128 x 128 x 64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plt
+
+from ._select import NotSupported, choose
+from ._util import cdiv, col, next_pow2, row
+from .gmm import GmmConfig, grouped_matmul_call
+from .quant import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight,
+                    e2m1_to_f32, e8m0_to_f32)
+
+__all__ = ["quant_matmul", "quant_gmm", "quant_matmul_reference", "quant_gmm_reference",
+           "default_quant_config", "QuantMatmulConfig", "TARGET_PROGRAMS"]
+
+QuantMatmulConfig = GmmConfig  # same tiling fields (block_m, block_n, block_k, split_k, warps, stages)
+#: programs the split-K heuristic aims for: 2 per SM on an H100/H200 (132 SMs)
+TARGET_PROGRAMS = 264
+
+
+def default_quant_config(num_rows: int, k_dim: int, n_dim: int, num_groups: int = 1) -> GmmConfig:
+    """Decode (few rows per group): narrow N tiles and split-K; prefill: the gmm tiles."""
+    rows_per_group = max(num_rows // max(num_groups, 1), 1)
+    if rows_per_group <= 64:
+        bm = max(16, next_pow2(rows_per_group))
+        bn, bk = 64, 128
+        programs = cdiv(n_dim, bn) * (cdiv(num_rows, bm) + num_groups)
+        steps = cdiv(k_dim, bk)
+        split = 1
+        while split * 2 <= steps // 2 and programs * split < TARGET_PROGRAMS:
+            split *= 2
+        return GmmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
+    return GmmConfig(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
+
+
+# ----------------------------------------------------------------------------------------------- loaders
+
+
+def _fp8_zero() -> jax.Array:
+    """An e4m3 zero for masked loads (Triton cannot cast the integer literal 0 to fp8)."""
+    return jnp.zeros((), jnp.float8_e4m3fn)
+
+
+def _expand(scale: jax.Array, bn: int, groups: int, per: int) -> jax.Array:
+    """[bn, groups] -> [bn, groups * per]: each group scale repeated over its `per` packed bytes."""
+    return jnp.broadcast_to(scale[:, :, None], (bn, groups, per)).reshape(bn, groups * per)
+
+
+def _fp4_tile(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """uint8 [bn, bk/2] and a float32 scale per byte [bn, bk/2] -> float32 [bn, bk], the low nibble first."""
+    lo = e2m1_to_f32(packed & 0xF) * scale
+    hi = e2m1_to_f32(packed >> 4) * scale
+    bn, half = packed.shape
+    return jnp.stack([lo, hi], axis=-1).reshape(bn, 2 * half)
+
+
+class _Fp8BlockRhs:
+    """weight e4m3 [G, N, K], scale_inv float32 [G, ceil(N/128), ceil(K/128)]."""
+
+    num_refs = 2
+    transposed = True
+
+    def check_block_k(self, block_k: int) -> None:
+        if FP8_BLOCK % block_k:
+            raise NotSupported(f"FP8 block kernel needs block_k dividing 128, got {block_k}")
+
+    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
+        w_ref, _ = refs
+        w = plt.load(w_ref.at[g, row(ns), col(ks)], mask=row(nmask) & col(kmask), other=_fp8_zero())
+        return w.astype(compute_dtype)  # e4m3 -> bf16 is exact
+
+    def step_scale(self, refs, g, k0, ns, nmask):
+        _, s_ref = refs
+        return plt.load(s_ref.at[g, ns // FP8_BLOCK, k0 // FP8_BLOCK], mask=nmask, other=0)
+
+    def final_scale(self, refs, g):
+        return None
+
+
+class _Mxfp4Rhs:
+    """blocks viewed as uint8 [G, N, K/2], scales uint8 [G, N, K/32]."""
+
+    num_refs = 2
+    transposed = True
+
+    def __init__(self, k_dim: int):
+        self.k_dim = k_dim
+
+    def check_block_k(self, block_k: int) -> None:
+        if block_k % MXFP4_BLOCK:
+            raise NotSupported(f"MXFP4 kernel needs block_k a multiple of 32, got {block_k}")
+
+    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
+        b_ref, s_ref = refs
+        bn, bk = ns.shape[0], ks.shape[0]
+        kb = k0 // 2 + jnp.arange(bk // 2, dtype=jnp.int32)
+        packed = plt.load(b_ref.at[g, row(ns), col(kb)], mask=row(nmask) & col(kb < self.k_dim // 2), other=0)
+        sg = k0 // MXFP4_BLOCK + jnp.arange(bk // MXFP4_BLOCK, dtype=jnp.int32)
+        s = plt.load(s_ref.at[g, row(ns), col(sg)], mask=row(nmask) & col(sg < self.k_dim // MXFP4_BLOCK),
+                     other=127)
+        scale = _expand(e8m0_to_f32(s), bn, bk // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+        return _fp4_tile(packed, scale).astype(compute_dtype)  # exact in bf16
+
+    def step_scale(self, refs, g, k0, ns, nmask):
+        return None
+
+    def final_scale(self, refs, g):
+        return None
+
+
+class _Nvfp4Rhs:
+    """packed uint8 [G, N, K/2], scale e4m3 [G, N, K/16], global_scale float32 [G]."""
+
+    num_refs = 3
+    transposed = True
+
+    def __init__(self, k_dim: int):
+        self.k_dim = k_dim
+
+    def check_block_k(self, block_k: int) -> None:
+        if block_k % NVFP4_BLOCK:
+            raise NotSupported(f"NVFP4 kernel needs block_k a multiple of 16, got {block_k}")
+
+    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
+        p_ref, s_ref, _ = refs
+        bn, bk = ns.shape[0], ks.shape[0]
+        kb = k0 // 2 + jnp.arange(bk // 2, dtype=jnp.int32)
+        packed = plt.load(p_ref.at[g, row(ns), col(kb)], mask=row(nmask) & col(kb < self.k_dim // 2), other=0)
+        sg = k0 // NVFP4_BLOCK + jnp.arange(bk // NVFP4_BLOCK, dtype=jnp.int32)
+        s = plt.load(s_ref.at[g, row(ns), col(sg)], mask=row(nmask) & col(sg < self.k_dim // NVFP4_BLOCK),
+                     other=_fp8_zero())
+        scale = _expand(s.astype(jnp.float32), bn, bk // NVFP4_BLOCK, NVFP4_BLOCK // 2)
+        # nibble x e4m3 has at most 6 significant bits: exact in bf16; the global scale divides at the end
+        return _fp4_tile(packed, scale).astype(compute_dtype)
+
+    def step_scale(self, refs, g, k0, ns, nmask):
+        return None
+
+    def final_scale(self, refs, g):
+        _, _, gs_ref = refs
+        return gs_ref[g]
+
+
+def _operands(w: Any, num_groups: int):
+    """(loader, kernel operands, N, K) for a quantized weight with leading dim G."""
+    if isinstance(w, Fp8BlockWeight):
+        _, n_dim, k_dim = w.weight.shape
+        if w.weight.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"FP8 block weight must be float8_e4m3fn, got {w.weight.dtype}")
+        return _Fp8BlockRhs(), (w.weight, w.scale_inv.astype(jnp.float32)), n_dim, k_dim
+    if isinstance(w, Mxfp4Weight):
+        g, n_dim, groups, _ = w.blocks.shape
+        k_dim = groups * MXFP4_BLOCK
+        return _Mxfp4Rhs(k_dim), (w.blocks.reshape(g, n_dim, k_dim // 2), w.scales), n_dim, k_dim
+    if isinstance(w, Nvfp4Weight):
+        _, n_dim, half = w.packed.shape
+        global_scale = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_groups,))
+        return _Nvfp4Rhs(2 * half), (w.packed, w.scale, global_scale), n_dim, 2 * half
+    raise TypeError(f"expected Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got {type(w).__name__}")
+
+
+def _with_group_dim(w: Any) -> Any:
+    """A single [N, K] quantized weight as a one-expert [1, N, K] weight (free reshapes)."""
+    if isinstance(w, Nvfp4Weight):
+        return Nvfp4Weight(w.packed[None], w.scale[None], w.global_scale.reshape(1, 1))
+    return jax.tree_util.tree_map(lambda a: a[None], w)
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+
+def quant_matmul_reference(x: jax.Array, w: Any, *, out_dtype: Any = None) -> jax.Array:
+    """x [M, K] @ dequant(w [N, K]).T in float32 (HIGHEST), cast to out_dtype (default x.dtype)."""
+    out = jnp.dot(x.astype(jnp.float32), w.dequantize().T, precision=lax.Precision.HIGHEST)
+    return out.astype(out_dtype or x.dtype)
+
+
+def quant_gmm_reference(x: jax.Array, w: Any, group_sizes: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+    """`lax.ragged_dot(x, dequant(w).swapaxes(1, 2), group_sizes)` in float32 (HIGHEST)."""
+    rhs = jnp.swapaxes(w.dequantize(), 1, 2)
+    out = lax.ragged_dot(x.astype(jnp.float32), rhs, group_sizes.astype(jnp.int32),
+                         precision=lax.Precision.HIGHEST)
+    return out.astype(out_dtype or x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ ops
+
+
+def quant_gmm(
+    x: jax.Array,
+    w: Any,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: Any = None,
+    implementation: str | None = "auto",
+    config: GmmConfig | None = None,
+) -> jax.Array:
+    """Per-expert quantized matmul (forward only; the weights are frozen).
+
+    Args:
+      x: [T, K] activations (bf16 or float32), rows sorted by expert.
+      w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight with a leading expert dim: [G, N, K] after dequantization.
+      group_sizes: [G] int32 rows per expert (rows past the sum give zeros).
+      out_dtype: default x.dtype.
+      implementation: "auto", "xla", "pallas" or "interpret".
+      config: tiling (default `default_quant_config`).
+
+    Returns:
+      [T, N].
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, K], got {x.shape}")
+    shape = w.shape
+    if len(shape) != 3 or shape[-1] != x.shape[1] or group_sizes.shape != (shape[0],):
+        raise ValueError(f"need w [G, N, K={x.shape[1]}] and group_sizes [G]; got w {shape}, "
+                         f"group_sizes {group_sizes.shape}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    cfg = config or default_quant_config(x.shape[0], shape[2], shape[1], shape[0])
+    loader, operands, n_dim, _ = _operands(w, shape[0])
+    impl = choose(implementation, lambda: loader.check_block_k(cfg.block_k))
+    if impl == "xla":
+        return quant_gmm_reference(x, w, group_sizes, out_dtype=out_dtype)
+    return grouped_matmul_call(x, operands, loader, group_sizes.astype(jnp.int32), n_dim, out_dtype, cfg,
+                               impl == "interpret", name=f"tutel_quant_gmm_{w.format}")
+
+
+def quant_matmul(
+    x: jax.Array,
+    w: Any,
+    *,
+    out_dtype: Any = None,
+    implementation: str | None = "auto",
+    config: GmmConfig | None = None,
+) -> jax.Array:
+    """x @ dequant(w).T with the dequantization inside the kernel (forward only).
+
+    Args:
+      x: [M, K] activations (bf16 or float32).
+      w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight of logical shape [N, K] (HF [out, in]).
+      out_dtype: default x.dtype.
+      implementation: "auto", "xla", "pallas" or "interpret".
+      config: tiling (default `default_quant_config`: split-K for M <= 64).
+
+    Returns:
+      [M, N].
+    """
+    if x.ndim != 2 or len(w.shape) != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"need x [M, K] and w [N, K] with the same K; got {x.shape} and {w.shape}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    cfg = config or default_quant_config(x.shape[0], w.shape[1], w.shape[0], 1)
+    impl = choose(implementation, lambda: _operands(_with_group_dim(w), 1)[0].check_block_k(cfg.block_k))
+    if impl == "xla":
+        return quant_matmul_reference(x, w, out_dtype=out_dtype)
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    return quant_gmm(x, _with_group_dim(w), sizes, out_dtype=out_dtype, implementation=impl, config=cfg)

@@ -1,0 +1,164 @@
+"""One MoE block of a Hugging Face checkpoint as a tutel-jax layer: config + parameters.
+
+Supported `model_type`s (float checkpoints; on-disk names, see the engineering guide section 4):
+  mixtral      block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1 / w3 [I, H] (gate / up), w2 [H, I]
+  qwen3_moe    mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight (also qwen2-style names without shared)
+  deepseek_v3  mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{e}.*, mlp.shared_experts.*
+  gpt_oss      mlp.router.weight / bias, mlp.experts.gate_up_proj [E, H, 2I] (interleaved), gate_up_proj_bias,
+               down_proj [E, I, H], down_proj_bias
+The block maps hidden states [..., H] to the MoE output [..., H] exactly like the HF block (dropless: HF never
+drops tokens), shared experts included.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["hf_moe_block", "moe_layer_indices", "load_safetensors"]
+
+SUPPORTED = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a float safetensors file as NumPy arrays (`safetensors.numpy.load_file`)."""
+    from safetensors.numpy import load_file
+    return load_file(str(path))
+
+
+def _num_experts(config: Mapping) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            return int(config[key])
+    raise ValueError("config has none of num_local_experts / num_experts / n_routed_experts")
+
+
+def moe_layer_indices(config: Mapping) -> list[int]:
+    """Indices of the decoder layers that hold an MoE block."""
+    layers = int(config["num_hidden_layers"])
+    kind = config.get("model_type")
+    if kind == "deepseek_v3":
+        first = int(config.get("first_k_dense_replace", 0))  # HF: every layer from first_k_dense_replace on
+        return [i for i in range(layers) if i >= first]
+    if kind == "qwen3_moe":
+        only_mlp = set(config.get("mlp_only_layers") or [])
+        step = int(config.get("decoder_sparse_step", 1))
+        return [i for i in range(layers) if i not in only_mlp and (i + 1) % step == 0]
+    return list(range(layers))
+
+
+def _take(tensors: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+    if key not in tensors:
+        raise ValueError(f"checkpoint has no tensor {key!r}")
+    return np.asarray(tensors[key])
+
+
+def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str, str]) -> dict:
+    """Per-expert HF [out, in] weights -> 'swiglu' params (gate_up_proj [E, M, 2, I], down_proj [E, I, M])."""
+    g, u, d = names
+    gate = np.stack([_take(tensors, f"{prefix}{e}.{g}") for e in range(num_experts)])  # [E, I, M]
+    up = np.stack([_take(tensors, f"{prefix}{e}.{u}") for e in range(num_experts)])
+    down = np.stack([_take(tensors, f"{prefix}{e}.{d}") for e in range(num_experts)])  # [E, M, I]
+    return {"gate_up_proj": np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=2),
+            "down_proj": down.transpose(0, 2, 1)}
+
+
+def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int | None = None, *,
+                 capacity_factor: float = 0.0, dtype: Any = "float32", **config_kwargs: Any):
+    """(MoEConfig, params) for the MoE block of decoder layer `layer` (default: the last MoE layer).
+
+    Args:
+      tensors: the checkpoint's tensors by on-disk name (e.g. `load_safetensors(path)`).
+      config: the checkpoint's config.json as a dict.
+      layer: decoder layer index; must hold an MoE block.
+      capacity_factor: the gate's default (0: dropless, as in HF).
+      dtype: the layer's dtype.
+      config_kwargs: more `make_config` arguments (e.g. dropless_impl).
+    """
+    import jax.numpy as jnp
+
+    from ..config import make_config
+
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"model_type must be one of {SUPPORTED}, got {kind!r}")
+    moe_layers = moe_layer_indices(config)
+    layer = moe_layers[-1] if layer is None else int(layer)
+    if layer not in moe_layers:
+        raise ValueError(f"layer {layer} has no MoE block (MoE layers: {moe_layers})")
+    num_experts = _num_experts(config)
+    k = int(config["num_experts_per_tok"])
+    model_dim = int(config["hidden_size"])
+    hidden = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    experts: dict[str, Any] = {"count_per_node": num_experts, "hidden_size_per_expert": hidden}
+    shared_params = None
+    if kind == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        gate = {"type": "mixtral", "k": k, "capacity_factor": capacity_factor}
+        gate_params = {"weight": _take(tensors, p + "gate.weight")}
+        experts["type"] = "swiglu"
+        expert_params = _stack_swiglu(tensors, p + "experts.", num_experts, ("w1.weight", "w3.weight", "w2.weight"))
+    elif kind in ("qwen3_moe", "deepseek_v3"):
+        p = f"model.layers.{layer}.mlp."
+        gate_params = {"weight": _take(tensors, p + "gate.weight")}
+        experts["type"] = "swiglu"
+        expert_params = _stack_swiglu(tensors, p + "experts.", num_experts,
+                                      ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+        if kind == "qwen3_moe":
+            gate = {"type": "qwen3_moe", "k": k, "capacity_factor": capacity_factor,
+                    "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+        else:
+            has_bias = p + "gate.e_score_correction_bias" in tensors
+            gate = {"type": "deepseek_v3", "k": k, "capacity_factor": capacity_factor,
+                    "n_group": int(config.get("n_group") or 1), "topk_group": int(config.get("topk_group") or 1),
+                    "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+                    "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+                    "correction_bias": has_bias}
+            if has_bias:
+                gate_params["e_score_correction_bias"] = _take(tensors, p + "gate.e_score_correction_bias")
+            n_shared = int(config.get("n_shared_experts") or 0)
+            if n_shared:
+                sp = p + "shared_experts."
+                experts["shared"] = {"hidden_size": hidden * n_shared, "gate": False}
+                shared_params = {"gate_proj": _take(tensors, sp + "gate_proj.weight").T,
+                                 "up_proj": _take(tensors, sp + "up_proj.weight").T,
+                                 "down_proj": _take(tensors, sp + "down_proj.weight").T}
+    else:  # gpt_oss
+        p = f"model.layers.{layer}.mlp."
+        gate = {"type": "gpt_oss", "k": k, "capacity_factor": capacity_factor}
+        gate_params = {"weight": _take(tensors, p + "router.weight"), "bias": _take(tensors, p + "router.bias")}
+        experts.update(type="gpt_oss", swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(config.get("swiglu_alpha", 1.702)))
+        expert_params = {name: _take(tensors, p + "experts." + name)
+                         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    moe_config = make_config(gate, model_dim, experts, dtype=dtype, **config_kwargs)
+    cast = lambda a: jnp.asarray(a, moe_config.dtype)
+    params = {"gates": [{name: (jnp.asarray(v, jnp.float32) if name == "e_score_correction_bias" else
+                                jnp.asarray(v, jnp.float32 if moe_config.gates[0].fp32_gate else moe_config.dtype))
+                         for name, v in gate_params.items()}],
+              "experts": {name: cast(v) for name, v in expert_params.items()}}
+    if shared_params is not None:
+        params["shared_experts"] = {name: cast(v) for name, v in shared_params.items()}
+    _check_against_template(moe_config, params)
+    return moe_config, params
+
+
+def _check_against_template(moe_config, params) -> None:
+    """The loaded tree must have exactly the layout and shapes `init_params` gives for this config."""
+    import jax
+
+    from ..layer import init_params
+
+    template = jax.eval_shape(lambda: init_params(moe_config, jax.random.key(0)))
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    want = jax.tree_util.tree_flatten_with_path(template)[0]
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise ValueError(f"loaded parameters {[jax.tree_util.keystr(p) for p, _ in got]} do not match the layer's "
+                         f"{[jax.tree_util.keystr(p) for p, _ in want]}")
+    for (path, a), (_, b) in zip(got, want):
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(f"tensor {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, the layer expects "
+                             f"{tuple(b.shape)}")

@@ -1,0 +1,228 @@
+"""A small, strict, lazy safetensors reader (mmap + ml_dtypes) for every dtype HF checkpoints use.
+
+The `safetensors` package's NumPy loader fails on F8_E4M3 and BF16 tensors (engineering guide section 5); the
+format is simple enough to read directly:
+
+    [8 bytes: little-endian u64 N] [N bytes: JSON header] [data bytes]
+
+The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the start
+of the data section) plus an optional "__metadata__" {str: str}. Every header entry is validated before any
+tensor is read: header size, dtype, shape, offsets inside the file, byte count == prod(shape) * itemsize, and
+no two tensors overlapping. Errors are `ValueError`s naming the file (and the tensor).
+
+    f = SafetensorsFile("model.safetensors"); f.keys(); f.get("lm_head.weight")   # np.ndarray copy
+    ckpt = open_checkpoint("path/to/model_dir")    # model.safetensors or model.safetensors.index.json shards
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint"]
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "U8": np.dtype("u1"), "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"), "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8"),
+    "BOOL": np.dtype("?"),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+
+
+class SafetensorsFile(Mapping):
+    """Lazy read-only view of one .safetensors file; tensors are read on `get` (a NumPy copy each time).
+
+    Also a Mapping name -> np.ndarray, so `dict(f)` loads everything.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as e:
+            raise ValueError(f"{self.path}: cannot open safetensors file ({e.strerror})") from None
+        size = os.fstat(self._fh.fileno()).st_size
+        if size < 8:
+            self.close()
+            raise ValueError(f"{self.path}: truncated safetensors file ({size} bytes, the header length alone is 8)")
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._entries, self.metadata = self._parse_header(size)
+        except Exception:
+            self.close()
+            raise
+
+    def _error(self, msg: str) -> ValueError:
+        return ValueError(f"{self.path}: {msg}")
+
+    def _parse_header(self, size: int) -> tuple[dict, dict[str, str]]:
+        (n,) = struct.unpack("<Q", self._mm[:8])
+        if n > MAX_HEADER_BYTES:
+            raise self._error(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt file?)")
+        if 8 + n > size:
+            raise self._error(f"truncated: header length {n} but the file has only {size - 8} bytes after it")
+        try:
+            header = json.loads(bytes(self._mm[8:8 + n]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self._error(f"header is not valid UTF-8 JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise self._error("header must be a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._error("__metadata__ must be an object of strings")
+        data_start, data_size = 8 + n, size - 8 - n
+        entries, spans = {}, []
+        for name, info in header.items():
+            entries[name] = self._check_entry(name, info, data_start, data_size)
+            spans.append((entries[name][2], entries[name][3], name))
+        spans.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise self._error(f"tensors {n0!r} [{b0}, {e0}) and {n1!r} [{b1}, {e1}) overlap")
+        return entries, dict(metadata)
+
+    def _check_entry(self, name: str, info, data_start: int, data_size: int):
+        where = f"tensor {name!r}"
+        if not isinstance(info, dict):
+            raise self._error(f"{where}: header entry must be an object")
+        dtype = info.get("dtype")
+        if dtype not in DTYPES:
+            raise self._error(f"{where}: unsupported dtype {dtype!r} (known: {sorted(DTYPES)})")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise self._error(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise self._error(f"{where}: data_offsets must be [begin, end] integers, got {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end:
+            raise self._error(f"{where}: bad data_offsets {offsets}")
+        if end > data_size:
+            raise self._error(f"{where}: truncated file: data_offsets end {end} beyond the {data_size}-byte "
+                              "data section")
+        want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if end - begin != want:
+            raise self._error(f"{where}: {end - begin} data bytes but shape {shape} x {dtype} needs {want}")
+        return DTYPES[dtype], tuple(shape), data_start + begin, data_start + end
+
+    def keys(self):
+        return self._entries.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self._entry(name)  # KeyError naming the file
+        return self.get(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._entry(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _entry(self, name: str):
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return self._entries[name]
+
+    def get(self, name: str, default=None) -> np.ndarray | None:
+        """The tensor `name` as a new NumPy array (its on-disk dtype and shape); `default` if there is no such
+        tensor (Mapping semantics; `f[name]` raises a KeyError naming the file instead)."""
+        if name not in self._entries:
+            return default
+        if self._mm is None:
+            raise self._error("file is closed")
+        dtype, shape, begin, end = self._entries[name]
+        return np.frombuffer(self._mm, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                             offset=begin).reshape(shape).copy()
+
+    def close(self) -> None:
+        if getattr(self, "_mm", None) is not None:
+            self._mm.close()
+        self._mm = None
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+        self._fh = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({str(self.path)!r}, {len(self)} tensors)"
+
+
+class Checkpoint(Mapping):
+    """Tensors of a (possibly sharded) checkpoint directory, by name; lazy like SafetensorsFile."""
+
+    def __init__(self, files: Mapping[str, SafetensorsFile], where: Mapping[str, str]):
+        self._files, self._where = dict(files), dict(where)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self._files[self._where[name]].get(name)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._where else default
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Opens `path`: a .safetensors file, or a directory with `model.safetensors` or the sharded
+    `model.safetensors.index.json` (its `weight_map` names each tensor's shard)."""
+    path = Path(path)
+    if path.is_file():
+        f = SafetensorsFile(path)
+        return Checkpoint({f.path.name: f}, {k: f.path.name for k in f.keys()})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
+        files = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise ValueError(f"{index}: shard {shard!r} is missing from {path}")
+            files[shard] = SafetensorsFile(path / shard)
+        for name, shard in weight_map.items():
+            if name not in files[shard]:
+                raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, which does not hold it")
+        return Checkpoint(files, weight_map)
+    single = path / "model.safetensors"
+    if single.is_file():
+        return open_checkpoint(single)
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")

@@ -1,0 +1,98 @@
+"""Dropless expert computation (capacity_factor == 0): ragged (no padding) or bucketed (bounded padding).
+
+'ragged': permute the k*S assignments into rows sorted by expert, run `experts.grouped` (`lax.ragged_dot`), and
+  unpermute; each direction has a custom VJP (see `dispatch`). No [E, C, M] buffer and no padding. On XLA:CPU
+  `ragged_dot` is dense-masked (every row is multiplied by every expert's weights, then masked), so it costs E times
+  the useful work: ~10x (E = 8) to ~50x (E = 256) slower than a batched matmul.
+
+'bucketed': the capacity path at a static capacity chosen at run time from a short ladder,
+  `bucket_capacities(S, E, k)` = ceil(k*S/E) x (1, 1.25, 1.5, 2, 3, 4) (deduplicated, at most S): `lax.switch`
+  picks the smallest bucket >= the largest per-expert count, so nothing is dropped and the outputs equal the ragged
+  path's. Padding is at most 25% over the max count up to 2x balance, then at most 50%. When the max count exceeds
+  the top bucket (4x the balanced load) the call falls back to the ragged path, so memory stays bounded by
+  4 x k*S*M rows whatever the routing. Every branch is compiled (about len(buckets) x the expert compile time).
+
+`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', or 'auto' ('bucketed' on
+CPU for experts that have `grouped`, needed by the fallback; 'ragged' on other backends). Expert parallelism
+always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .routing.plan import RoutingPlan, align_capacity
+
+__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl"]
+
+BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+
+
+def bucket_capacities(num_tokens: int, num_experts: int, top_k: int, factors: Sequence[float] = BUCKET_FACTORS,
+                      alignment: int = 1, max_capacity: int | None = None) -> tuple[int, ...]:
+    """The static capacities of the bucketed dropless path, ascending.
+
+    Args:
+      num_tokens: S (tokens on this device).
+      num_experts: E.
+      top_k: k.
+      factors: multiples of the balanced load ceil(k*S/E).
+      alignment: each capacity is rounded up to a multiple of this.
+      max_capacity: upper bound (default S aligned: no expert can receive more than S assignments, since a
+        token's k experts are distinct).
+    """
+    if num_tokens < 1 or num_experts < 1 or top_k < 1:
+        raise ValueError(f"need S, E, k >= 1, got S={num_tokens}, E={num_experts}, k={top_k}")
+    top = align_capacity(num_tokens, alignment) if max_capacity is None else int(max_capacity)
+    base = math.ceil(top_k * num_tokens / num_experts)
+    caps = {min(align_capacity(max(1, math.ceil(base * f)), alignment), top) for f in factors}
+    return tuple(sorted(caps))
+
+
+def bucket_index(max_count: jax.Array, capacities: Sequence[int]) -> jax.Array:
+    """[] int32: index of the smallest capacity >= max_count, or len(capacities) when none is."""
+    caps = jnp.asarray(capacities, jnp.int32)
+    return jnp.sum((caps < max_count).astype(jnp.int32))
+
+
+def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[[RoutingPlan], Any],
+                 overflow: Callable[[], Any] | None = None, need: jax.Array | None = None) -> Any:
+    """Runs `run_at(plan laid out with capacity C)` for the smallest C in `capacities` holding every assignment.
+
+    Args:
+      plan: a dropless plan (its `dispatch_count` decides the bucket; for expert parallelism pass a plan whose
+        counts are already reduced over the group, or reduce inside `run_at`).
+      capacities: ascending static capacities.
+      run_at: function of a plan with `buffer_capacity` set; all branches must return the same shapes.
+      overflow: run when the max count exceeds the largest capacity; None means it cannot (the caller
+        guarantees capacities[-1] >= any count).
+      need: the slots needed (default: max of plan.dispatch_count); expert parallelism passes the capacity
+        agreed over the group, so that every device takes the same branch (its collectives must match).
+    """
+    need = jnp.max(plan.dispatch_count) if need is None else need
+    # Each branch is rematerialised (jax.checkpoint): differentiating a switch otherwise makes every branch
+    # output the union of all branches' residuals, zero-filled, which cost 4-10x the backward pass in
+    # benchmarks/dropless.py; with remat the residuals are the shared inputs and the chosen branch recomputes
+    # its forward pass in the backward one.
+    branches = [(lambda cap: (lambda: run_at(plan.with_buffer_capacity(cap))))(c) for c in capacities]
+    if overflow is not None:
+        branches.append(overflow)
+    if len(branches) == 1:
+        return branches[0]()
+    branches = [jax.checkpoint(b) for b in branches]
+    index = jnp.minimum(bucket_index(need, capacities), len(branches) - 1)
+    return jax.lax.switch(index, branches)
+
+
+def resolve_impl(impl: str, experts: Any) -> str:
+    """'auto' -> 'bucketed' on CPU when the experts have `grouped` (for the overflow fallback), else 'ragged'."""
+    if impl == "auto":
+        has_grouped = callable(getattr(experts, "grouped", None))
+        return "bucketed" if (jax.default_backend() == "cpu" and has_grouped) else "ragged"
+    if impl not in ("ragged", "bucketed"):
+        raise ValueError(f"dropless_impl must be 'auto', 'ragged' or 'bucketed', got {impl!r}")
+    return impl

@@ -1,0 +1,14 @@
+"""HF Mixture-of-Experts decoder families (qwen3_moe, mixtral, deepseek_v3, gpt_oss) on the tutel-jax MoE block.
+
+    from tutel_jax.models import from_pretrained
+    model = from_pretrained("path/to/hf_checkpoint")   # config.json + safetensors
+    logits = model(input_ids)                           # [B, T] -> float32 [B, T, V]
+"""
+
+from .causal_lm import CausalLM, context_from_mask, forward, from_pretrained
+from .layers import AttnContext
+from .nnx_model import NNXCausalLM
+from .spec import FAMILIES, DecoderSpec, spec_from_config
+
+__all__ = ["AttnContext", "CausalLM", "DecoderSpec", "FAMILIES", "NNXCausalLM", "context_from_mask", "forward",
+           "from_pretrained", "spec_from_config"]

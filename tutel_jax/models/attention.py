@@ -1,0 +1,77 @@
+"""The two attention kinds of the supported families, each with an optional static KV cache.
+
+`gqa_attention`: Qwen3-MoE (q/k RMSNorm), Mixtral, GPT-OSS (q/k/v/o biases, sinks, sliding window).
+`mla_attention`: DeepSeek-V3 multi-head latent attention (q LoRA, compressed kv, rope/nope split); the cache
+holds the decompressed per-head keys and values (simple, not the compressed latent).
+A layer's cache is {'k': [B, L, Hkv, Dk], 'v': [B, L, Hkv, Dv]} or None (no cache: L = T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .layers import AttnContext, apply_rope, attend, linear, rms_norm, write_cache
+from .spec import DecoderSpec
+
+__all__ = ["gqa_attention", "mla_attention", "cache_dims"]
+
+
+def cache_dims(spec: DecoderSpec) -> tuple[int, int, int]:
+    """(kv heads, key dim, value dim) of one layer's cache."""
+    if spec.mla is not None:
+        return spec.num_heads, spec.mla.qk_nope_dim + spec.mla.qk_rope_dim, spec.mla.v_dim
+    return spec.num_kv_heads, spec.head_dim, spec.head_dim
+
+
+def _with_cache(k, v, cache, ctx: AttnContext):
+    if cache is None:
+        return k, v, None
+    ck, cv = write_cache(cache["k"], k, ctx.index), write_cache(cache["v"], v, ctx.index)
+    return ck, cv, {"k": ck, "v": cv}
+
+
+def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
+                  spec: DecoderSpec, layer: int, cache: dict | None = None):
+    """x [B, T, M] -> ([B, T, M], new cache). p: q/k/v/o_proj [out, in], optional *_bias, q_norm / k_norm [D],
+    sinks [Hq]."""
+    B, T, _ = x.shape
+    D = spec.head_dim
+    q = linear(x, p["q_proj"], p.get("q_bias")).reshape(B, T, spec.num_heads, D)
+    k = linear(x, p["k_proj"], p.get("k_bias")).reshape(B, T, spec.num_kv_heads, D)
+    v = linear(x, p["v_proj"], p.get("v_bias")).reshape(B, T, spec.num_kv_heads, D)
+    if "q_norm" in p:
+        q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v, cache = _with_cache(k, v, cache, ctx)
+    o = attend(q, k, v, ctx, D ** -0.5, window=spec.windows[layer], sinks=p.get("sinks"))
+    return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias")), cache
+
+
+def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
+                  spec: DecoderSpec, layer: int, cache: dict | None = None):
+    """DeepSeek-V3 MLA, x [B, T, M] -> ([B, T, M], new cache). cos/sin [B, T, rope_dim]."""
+    m = spec.mla
+    B, T, _ = x.shape
+    H = spec.num_heads
+    if "q_a_proj" in p:
+        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], spec.eps), p["q_b_proj"])
+    else:
+        q = linear(x, p["q_proj"])
+    q = q.reshape(B, T, H, m.qk_nope_dim + m.qk_rope_dim)
+    q_pass, q_rot = q[..., :m.qk_nope_dim], q[..., m.qk_nope_dim:]
+    ckv = linear(x, p["kv_a_proj_with_mqa"])  # [B, T, kv_lora + rope]
+    k_pass, k_rot = ckv[..., :m.kv_lora_rank], ckv[..., m.kv_lora_rank:]
+    kv = linear(rms_norm(k_pass, p["kv_a_layernorm"], spec.eps), p["kv_b_proj"]).reshape(
+        B, T, H, m.qk_nope_dim + m.v_dim)
+    k_pass, v = kv[..., :m.qk_nope_dim], kv[..., m.qk_nope_dim:]
+    q_rot = apply_rope(q_rot, cos, sin, interleaved=m.rope_interleave)
+    k_rot = apply_rope(k_rot[:, :, None, :], cos, sin, interleaved=m.rope_interleave)
+    q = jnp.concatenate([q_pass, q_rot], axis=-1)
+    k = jnp.concatenate([k_pass, jnp.broadcast_to(k_rot, (B, T, H, m.qk_rope_dim))], axis=-1)
+    k, v, cache = _with_cache(k, v, cache, ctx)
+    o = attend(q, k, v, ctx, m.softmax_scale)
+    return linear(o.reshape(B, T, -1), p["o_proj"]), cache

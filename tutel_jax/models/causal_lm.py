@@ -1,0 +1,145 @@
+"""CausalLM: an HF MoE decoder as a pure function over a parameter pytree, plus a small holder object.
+
+    model = from_pretrained("tests/fixtures/hf/qwen3_moe")
+    logits = model(input_ids)                      # [B, T] -> float32 [B, T, V]
+    logits, cache = model.apply(model.params, ids, ctx, cache)   # KV-cache step (see serving.generate)
+
+MoE layers run through the tutel-jax MoE block (`moe_apply`, dropless `capacity_factor=0.0`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..checkpoint.safetensors_io import open_checkpoint
+from ..layer import moe_apply, route
+from .attention import cache_dims, gqa_attention, mla_attention
+from .dequant import DequantizedTensors, is_quantized
+from .hf_tables import load_params
+from .layers import AttnContext, linear, rms_norm, rope_cos_sin, swiglu_mlp
+from .spec import DecoderSpec, spec_from_config
+
+__all__ = ["CausalLM", "forward", "from_pretrained", "context_from_mask"]
+
+
+def context_from_mask(attention_mask: jax.Array) -> AttnContext:
+    """No-cache context of a [B, T] 0/1 mask (left or right padding): positions = cumsum(mask) - 1."""
+    mask = attention_mask.astype(bool)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+    return AttnContext(positions, jnp.zeros((), jnp.int32), mask)
+
+
+def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None, *,
+            spec: DecoderSpec, moe_configs: tuple, return_router: bool = False):
+    """Logits of the T new tokens.
+
+    Args:
+      params: from `hf_tables.load_params`.
+      input_ids: [B, T] int.
+      ctx: positions [B, T], cache index, key_valid [B, L] (L = T without a cache).
+      spec, moe_configs: static model description.
+      cache: per-layer {'k', 'v'} [B, L, Hkv, D] or None.
+      return_router: also return the last MoE layer's (ids [B, T, k], weights [B, T, k]).
+    Returns:
+      (logits float32 [B, T, V], new cache or None[, router]).
+    """
+    x = jnp.take(params["embed"], input_ids, axis=0)
+    cos, sin = rope_cos_sin(ctx.positions, np.asarray(spec.inv_freq, np.float32), spec.attention_factor)
+    attn_fn = mla_attention if spec.mla is not None else gqa_attention
+    new_cache, router = [], None
+    for i, lp in enumerate(params["layers"]):
+        h = rms_norm(x, lp["input_layernorm"], spec.eps)
+        a, c = attn_fn(lp["attn"], h, cos, sin, ctx, spec, i, None if cache is None else cache[i])
+        new_cache.append(c)
+        x = x + a
+        h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
+        if spec.ffn[i] == "moe":
+            y, _ = moe_apply(lp["moe"], h, moe_configs[i], capacity_factor=0.0)
+            if return_router and i == spec.last_moe_layer:
+                plan, _ = route(lp["moe"]["gates"][0], h.reshape(-1, h.shape[-1]).astype(moe_configs[i].dtype),
+                                moe_configs[i], capacity_factor=0.0)
+                shape = h.shape[:2] + (-1,)
+                router = (plan.expert_ids.T.reshape(shape), plan.gates.T.reshape(shape))
+        else:
+            y = swiglu_mlp(lp["mlp"], h)
+        x = x + y
+    x = rms_norm(x, params["norm"], spec.eps)
+    logits = linear(x, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    out = (logits, None if cache is None else new_cache)
+    return out + (router,) if return_router else out
+
+
+@dataclasses.dataclass
+class CausalLM:
+    """An HF MoE causal LM: `spec` and `moe_configs` are static, `params` a pytree. Call it on [B, T] ids."""
+
+    spec: DecoderSpec
+    params: dict
+    moe_configs: tuple
+    config: dict
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        # pure (params, input_ids, ctx, cache=None, return_router=False) -> (logits, cache[, router])
+        self.forward_fn = functools.partial(forward, spec=self.spec, moe_configs=self.moe_configs)
+        self._fwd = jax.jit(self.forward_fn, static_argnames=("return_router",))
+
+    def apply(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
+              return_router: bool = False):
+        """Jitted `forward` (see there)."""
+        return self._fwd(params, input_ids, ctx, cache=cache, return_router=return_router)
+
+    def __call__(self, input_ids, attention_mask=None) -> jax.Array:
+        """input_ids [B, T] (attention_mask [B, T], 1 = token) -> float32 logits [B, T, V]."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask)
+        return self.apply(self.params, input_ids, context_from_mask(mask))[0]
+
+    def router_choices(self, input_ids, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+        """The last MoE layer's choices for every token: (ids [B, T, k] sorted ascending, weights [B, T, k])."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask)
+        _, _, (ids, w) = self.apply(self.params, input_ids, context_from_mask(mask), return_router=True)
+        ids, w = np.asarray(ids), np.asarray(w)
+        order = np.argsort(ids, axis=-1)
+        return np.take_along_axis(ids, order, -1), np.take_along_axis(w, order, -1)
+
+    def init_cache(self, batch: int, length: int) -> list[dict]:
+        """Zero KV cache: per layer {'k': [B, L, Hkv, Dk], 'v': [B, L, Hkv, Dv]} in the model dtype."""
+        heads, dk, dv = cache_dims(self.spec)
+        return [{"k": jnp.zeros((batch, length, heads, dk), self.dtype),
+                 "v": jnp.zeros((batch, length, heads, dv), self.dtype)} for _ in range(self.spec.num_layers)]
+
+
+def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
+                    tensors: Mapping[str, np.ndarray] | None = None) -> CausalLM:
+    """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
+
+    Quantized checkpoints (FP8 block, MXFP4, NVFP4; `quantization_config` in config.json) are dequantized to
+    float32 on load (`dequant.DequantizedTensors`). `tensors` overrides the checkpoint's tensors.
+    Unknown model_type: ValueError.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: no config.json")
+    config = json.loads(config_file.read_text())
+    spec = spec_from_config(config)
+    ckpt = open_checkpoint(path) if tensors is None else tensors
+    try:
+        source = DequantizedTensors(ckpt, config) if is_quantized(config) else ckpt
+        params, moe_configs = load_params(source, config, spec, dtype)
+    finally:
+        if tensors is None:
+            ckpt.close()
+    return CausalLM(spec=spec, params=params, moe_configs=moe_configs, config=config, dtype=dtype)

@@ -1,0 +1,165 @@
+"""Autoregressive generation with a static KV cache: one jitted prefill, one jitted decode step.
+
+Prompts of different lengths are left-aligned internally: each row is shifted so its real tokens end at the
+last prompt column (left padding); RoPE positions count real tokens only and padding slots are masked out of
+every attention, so a row's result equals that prompt run alone. The cache length is static
+(prompt columns + max_new_tokens, rounded up to `cache_multiple`), so the decode step compiles once.
+
+Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models.layers import AttnContext
+
+__all__ = ["GenerationResult", "generate", "left_align", "sample_next"]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens [B, max_new_tokens] int32: the new tokens (after a row's `eos_token_id`, pad_token_id);
+    sequences [B, T + max_new_tokens]: each prompt (left-padded with pad_token_id) followed by its tokens;
+    prompt_lengths [B]; logits [B, max_new_tokens, V] float32 of every step when requested."""
+
+    tokens: np.ndarray
+    sequences: np.ndarray
+    prompt_lengths: np.ndarray
+    logits: np.ndarray | None = None
+
+
+def left_align(input_ids: np.ndarray, attention_mask: np.ndarray | None, pad_token_id: int = 0):
+    """(ids [B, T] left-padded, mask [B, T] bool, lengths [B]) from a left- or right-padded batch.
+
+    Each row's real tokens must be contiguous (the usual left or right padding)."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {ids.shape}")
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    B, T = ids.shape
+    lengths = mask.sum(1)
+    if (lengths == 0).any():
+        raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
+    out = np.full_like(ids, pad_token_id)
+    for b in range(B):
+        pos = np.flatnonzero(mask[b])
+        if pos[-1] - pos[0] + 1 != len(pos):
+            raise ValueError(f"row {b}: attention_mask tokens are not contiguous (use left or right padding)")
+        out[b, T - len(pos):] = ids[b, pos]
+    return out, np.arange(T)[None, :] >= (T - lengths)[:, None], lengths
+
+
+def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None,
+                top_p: float | None) -> jax.Array:
+    """Next tokens [B] from logits [B, V]: argmax when temperature == 0, else a seeded sample of
+    softmax(logits / temperature) restricted to the top_k tokens and the top_p nucleus."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k is not None and top_k > 0:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling):
+    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
+    logits, cache = apply(params, ids, ctx, cache)
+    last = logits[:, -1]
+    return sample_next(last, key, *sampling), last, cache
+
+
+def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling):
+    positions = (index - pad)[:, None].astype(jnp.int32)
+    logits, cache = apply(params, tok[:, None], AttnContext(positions, index, key_valid), cache)
+    last = logits[:, -1]
+    return sample_next(last, key, *sampling), last, cache
+
+
+_prefill = jax.jit(_prefill_body, static_argnames=("apply", "sampling"), donate_argnames=("cache",))
+_decode = jax.jit(_decode_body, static_argnames=("apply", "sampling"), donate_argnames=("cache",))
+
+
+@functools.partial(jax.jit, static_argnames=("apply", "sampling"))
+def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, keys, sampling):
+    """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], logits [B, N, V])."""
+    T = ids.shape[1]
+    tok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling)
+
+    def step(carry, xs):
+        tok, cache = carry
+        i, key = xs
+        tok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling)
+        return (tok, cache), (tok, last)
+
+    steps = jnp.arange(1, keys.shape[0], dtype=jnp.int32)
+    _, (toks, lasts) = jax.lax.scan(step, (tok, cache), (steps, keys[1:]))
+    return (jnp.concatenate([tok[:, None], toks.T], axis=1),
+            jnp.concatenate([last[:, None], jnp.swapaxes(lasts, 0, 1)], axis=1))
+
+
+def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None, pad_token_id: int = 0,
+             eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, cache_multiple: int = 16,
+             return_logits: bool = False, on_device: bool = False) -> GenerationResult:
+    """Generates max_new_tokens tokens after each prompt.
+
+    Args:
+      model: a `tutel_jax.models.CausalLM` (anything with `.params`, `.init_cache(B, L)` and a pure, hashable
+        `.forward_fn(params, ids, ctx, cache) -> (logits, cache)`).
+      input_ids: [B, T] int prompts; attention_mask [B, T] (1 = token) for prompts of different lengths,
+        left or right padded.
+      eos_token_id: rows that produced it keep emitting pad_token_id (all steps still run: static shapes).
+      temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
+      cache_multiple: the static cache length is rounded up to a multiple of it (fewer recompiles).
+      return_logits: also return every step's logits [B, max_new_tokens, V].
+      on_device: run prefill and all decode steps as one compiled program (lax.scan; no per-token dispatch,
+        one compile per max_new_tokens) instead of a host loop over a jitted decode step.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids, _, lengths = left_align(input_ids, attention_mask, pad_token_id)
+    B, T = ids.shape
+    L = -(-(T + max_new_tokens) // cache_multiple) * cache_multiple
+    pad = jnp.asarray(T - lengths, jnp.int32)
+    key_valid = jnp.arange(L)[None, :] >= pad[:, None]  # padding slots; unwritten slots are masked causally
+    positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
+    apply = model.forward_fn
+    sampling = (float(temperature), top_k, top_p)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    ids_j, cache = jnp.asarray(ids, jnp.int32), model.init_cache(B, L)
+    if on_device:
+        tokens, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache, keys,
+                                             sampling)
+    else:
+        tok, last, cache = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling)
+        toks, lasts = [tok], [last]
+        for i in range(1, max_new_tokens):
+            tok, last, cache = _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad,
+                                       key_valid, cache, keys[i], sampling)
+            toks.append(tok)
+            lasts.append(last)
+        tokens, logits = jnp.stack(toks, axis=1), jnp.stack(lasts, axis=1)
+    tokens = np.asarray(tokens, np.int32)
+    if eos_token_id is not None:
+        done = np.cumsum(tokens == eos_token_id, axis=1) - (tokens == eos_token_id) > 0
+        tokens = np.where(done, pad_token_id, tokens)
+    logits = np.asarray(logits) if return_logits else None
+    return GenerationResult(tokens=tokens, sequences=np.concatenate([ids, tokens], axis=1).astype(np.int32),
+                            prompt_lengths=lengths, logits=logits)
