@@ -44,46 +44,26 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import os
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-def _default_host_device_count() -> int:
-    """CPU cores available to this process (one JAX CPU device per core)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+from tutel_jax.parallel import shard_map
+from tutel_jax.cli_args import ensure_host_device_count, int_at_least, positive_float
 
+from tutel_jax.parallel import expert_all_to_all, expert_all_to_all_reverse
 
-# Must happen before JAX initialises its backends. The flag only affects the host (CPU) platform, so it is
-# harmless when JAX runs on GPU/TPU (JAX_PLATFORMS=cpu forces the CPU path).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_default_host_device_count()}").strip()
+ensure_host_device_count()  # one CPU device per core unless XLA_FLAGS sets a count; before any device use
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-try:
-    import tutel_jax  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tutel_jax.parallel import expert_all_to_all, expert_all_to_all_reverse  # noqa: E402
-
-try:
-    _shard_map = jax.shard_map
-except AttributeError:  # older JAX
-    from jax.experimental.shard_map import shard_map as _shard_map
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPS = ("all_to_all", "all_to_all_2dh", "all_gather", "all_reduce", "reduce_scatter")
@@ -95,42 +75,19 @@ AXES_2DH = ("node", "local")  # the 2-D mesh: (W / L, L), node-major
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (Tutel's --size_mb, plus --loop, --warmup, --devices, --node_size, --dtype, --json)."""
     parser = argparse.ArgumentParser(
         prog="bandwidth_test.py",
         description="Time all_to_all (flat and 2DH), all_gather, all_reduce and reduce_scatter over local devices.")
-    parser.add_argument("--size_mb", type=_positive_float, default=16.0,
+    parser.add_argument("--size_mb", type=positive_float, default=16.0,
                         help="buffer size per device in MB = 2**20 bytes (default 16; Tutel's default is 256)")
-    parser.add_argument("--loop", type=_int_at_least(1), default=10, help="timed calls per op (default 10)")
-    parser.add_argument("--warmup", type=_int_at_least(0), default=2,
+    parser.add_argument("--loop", type=int_at_least(1), default=10, help="timed calls per op (default 10)")
+    parser.add_argument("--warmup", type=int_at_least(0), default=2,
                         help="untimed calls per op before timing, after the compile and check (default 2)")
-    parser.add_argument("--devices", type=_int_at_least(1), default=None,
+    parser.add_argument("--devices", type=int_at_least(1), default=None,
                         help="use the first N devices (default: all)")
-    parser.add_argument("--node_size", type=_int_at_least(1), default=None,
+    parser.add_argument("--node_size", type=int_at_least(1), default=None,
                         help="devices per node L of the 2DH (node, local) mesh; must divide the device count "
                              "(default: the local device count when several processes run, else the smallest "
                              "divisor of the device count that is >= its square root)")
@@ -202,7 +159,7 @@ def reduce_scatter(buf: jax.Array) -> jax.Array:
 
 def sharded(fn: Callable[[jax.Array], jax.Array], mesh: Mesh, spec: P) -> Callable[[jax.Array], jax.Array]:
     """jit(shard_map(fn)) with input and output split along axis 0 by `spec` (device-major global arrays)."""
-    return jax.jit(_shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    return jax.jit(shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=spec))
 
 
 # ----------------------------------------------------------------------------------------------------------

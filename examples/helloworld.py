@@ -38,46 +38,26 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import os
+import functools
+import sys
+import time
+from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-def _default_host_device_count() -> int:
-    """CPU cores available to this process (one JAX CPU device per core)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+from tutel_jax.parallel import shard_map
+from tutel_jax.cli_args import ensure_host_device_count, finite_float, int_at_least, positive_float
 
+from tutel_jax import MoEAux, MoEConfig, init_params, make_config, moe_apply
 
-# Must happen before JAX initialises its backends. The flag only affects the host (CPU) platform, so it is
-# harmless when JAX runs on GPU/TPU (JAX_PLATFORMS=cpu forces the CPU path).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_default_host_device_count()}").strip()
+ensure_host_device_count()  # one CPU device per core unless XLA_FLAGS sets a count; before any device use
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Callable, Sequence  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-try:
-    import tutel_jax  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tutel_jax import MoEAux, MoEConfig, init_params, make_config, moe_apply  # noqa: E402
-
-try:
-    _shard_map = jax.shard_map
-except AttributeError:  # older JAX
-    from jax.experimental.shard_map import shard_map as _shard_map
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -85,61 +65,31 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (Tutel's flag names, plus --lr, --seed and --plot)."""
     parser = argparse.ArgumentParser(
         prog="helloworld.py",
         description="Tutel's hello-world MoE benchmark in JAX (data parallel over all local devices).")
-    parser.add_argument("--batch_size", type=_int_at_least(1), default=8, help="samples per device (default 8)")
-    parser.add_argument("--num_tokens", type=_int_at_least(1), default=128, help="tokens per sample (default 128)")
-    parser.add_argument("--model_dim", type=_int_at_least(1), default=256)
-    parser.add_argument("--hidden_size", type=_int_at_least(1), default=1024, help="hidden size per expert")
-    parser.add_argument("--num_local_experts", type=_int_at_least(1), default=4,
+    parser.add_argument("--batch_size", type=int_at_least(1), default=8, help="samples per device (default 8)")
+    parser.add_argument("--num_tokens", type=int_at_least(1), default=128, help="tokens per sample (default 128)")
+    parser.add_argument("--model_dim", type=int_at_least(1), default=256)
+    parser.add_argument("--hidden_size", type=int_at_least(1), default=1024, help="hidden size per expert")
+    parser.add_argument("--num_local_experts", type=int_at_least(1), default=4,
                         help="experts (E); expert parallelism is not used by this example")
-    parser.add_argument("--top", type=_int_at_least(1), default=2, help="k of the top-k gate (clipped to E)")
-    parser.add_argument("--capacity_factor", type=_finite_float, default=1.0,
+    parser.add_argument("--top", type=int_at_least(1), default=2, help="k of the top-k gate (clipped to E)")
+    parser.add_argument("--capacity_factor", type=finite_float, default=1.0,
                         help="> 0 fixed capacity, 0 dropless, < 0 bounded dropless (Tutel semantics)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--fp32_gate", action="store_true", help="compute the gate in float32")
-    parser.add_argument("--num_steps", type=_int_at_least(1), default=20)
-    parser.add_argument("--l_aux_wt", type=_finite_float, default=0.0, help="weight of the load-balancing loss")
-    parser.add_argument("--lr", type=_positive_float, default=3e-4,
+    parser.add_argument("--num_steps", type=int_at_least(1), default=20)
+    parser.add_argument("--l_aux_wt", type=finite_float, default=0.0, help="weight of the load-balancing loss")
+    parser.add_argument("--lr", type=positive_float, default=3e-4,
                         help="SGD learning rate (default 3e-4; Tutel's script uses 1e-5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input x (Tutel: torch.manual_seed(0))")
     parser.add_argument("--eval", action="store_true", help="forward only (no gradients, no update)")
     parser.add_argument("--checkpoint_path", type=str, default="",
                         help="orbax checkpoint directory: restored before training if present, saved after")
-    parser.add_argument("--a2a_ffn_overlap_degree", type=_int_at_least(1), default=1)
+    parser.add_argument("--a2a_ffn_overlap_degree", type=int_at_least(1), default=1)
     parser.add_argument("--parallel_type", type=str, default="adaptive:1", help="'adaptive:<r>', 'data' or 'model'")
     parser.add_argument("--use_2dh", action="store_true", help="hierarchical all_to_all (passed to the config)")
     parser.add_argument("--plot", type=str, default="", metavar="PATH",
@@ -220,10 +170,10 @@ def eval_step(params: dict, x: jax.Array, *, config: MoEConfig, l_aux_wt: float)
 def make_steps(mesh: Mesh, config: MoEConfig, optimizer: optax.GradientTransformation, l_aux_wt: float):
     """Jitted, data-parallel train and eval steps over the mesh axis 'data'."""
     stats_specs = (P(), P("data"), P("data"), P())
-    train = jax.jit(_shard_map(
+    train = jax.jit(shard_map(
         functools.partial(train_step, config=config, optimizer=optimizer, l_aux_wt=l_aux_wt),
         mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()) + stats_specs), donate_argnums=(0, 1))
-    evaluate = jax.jit(_shard_map(
+    evaluate = jax.jit(shard_map(
         functools.partial(eval_step, config=config, l_aux_wt=l_aux_wt),
         mesh=mesh, in_specs=(P(), P("data")), out_specs=stats_specs))
     return train, evaluate

@@ -44,10 +44,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-try:
-    import tutel_jax  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402

@@ -61,49 +61,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
+
+from tutel_jax.cli_args import (ensure_host_device_count, finite_float, int_at_least, non_negative_float,
+                                positive_float, set_host_device_count)
 
 DEFAULT_LOCAL_DEVICES = 4
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,33 +77,33 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("processes")
     group.add_argument("--coordinator_address", type=str, default=None,
                        help="HOST:PORT of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
-    group.add_argument("--num_processes", type=_int_at_least(1), default=None,
+    group.add_argument("--num_processes", type=int_at_least(1), default=None,
                        help="number of processes (default: $JAX_NUM_PROCESSES, else auto-detected; 1 = no initialize)")
-    group.add_argument("--process_id", type=_int_at_least(0), default=None,
+    group.add_argument("--process_id", type=int_at_least(0), default=None,
                        help="this process's id in [0, num_processes) (default: $JAX_PROCESS_ID, else auto-detected)")
-    group.add_argument("--local_devices", type=_int_at_least(1), default=None,
+    group.add_argument("--local_devices", type=int_at_least(1), default=None,
                        help=f"CPU devices per process (default {DEFAULT_LOCAL_DEVICES}, or XLA_FLAGS' setting)")
-    group.add_argument("--init_timeout", type=_int_at_least(1), default=60,
+    group.add_argument("--init_timeout", type=int_at_least(1), default=60,
                        help="seconds to wait for all processes to connect (default 60)")
-    group.add_argument("--heartbeat_timeout", type=_int_at_least(1), default=10,
+    group.add_argument("--heartbeat_timeout", type=int_at_least(1), default=10,
                        help="seconds without heartbeats after which a process is declared dead (default 10)")
-    group.add_argument("--step_timeout", type=_non_negative_float, default=120.0,
+    group.add_argument("--step_timeout", type=non_negative_float, default=120.0,
                        help="exit with status 3 when a step takes longer than this (seconds; 0 = never; default 120)")
-    group.add_argument("--fail_at_step", type=_int_at_least(0), default=None,
+    group.add_argument("--fail_at_step", type=int_at_least(0), default=None,
                        help="testing: os._exit(1) at the start of this step")
     model = parser.add_argument_group("model and training")
-    model.add_argument("--num_steps", type=_int_at_least(1), default=10)
-    model.add_argument("--batch_per_device", type=_int_at_least(1), default=2, help="samples per device (default 2)")
-    model.add_argument("--num_tokens", type=_int_at_least(1), default=16, help="tokens per sample (default 16)")
-    model.add_argument("--model_dim", type=_int_at_least(1), default=32)
-    model.add_argument("--hidden_size", type=_int_at_least(1), default=64, help="hidden size per expert")
-    model.add_argument("--count_per_node", type=_int_at_least(1), default=2, help="experts per device (default 2)")
-    model.add_argument("--top", type=_int_at_least(1), default=2, help="k of the top-k gate (default 2)")
-    model.add_argument("--capacity_factor", type=_finite_float, default=1.0,
+    model.add_argument("--num_steps", type=int_at_least(1), default=10)
+    model.add_argument("--batch_per_device", type=int_at_least(1), default=2, help="samples per device (default 2)")
+    model.add_argument("--num_tokens", type=int_at_least(1), default=16, help="tokens per sample (default 16)")
+    model.add_argument("--model_dim", type=int_at_least(1), default=32)
+    model.add_argument("--hidden_size", type=int_at_least(1), default=64, help="hidden size per expert")
+    model.add_argument("--count_per_node", type=int_at_least(1), default=2, help="experts per device (default 2)")
+    model.add_argument("--top", type=int_at_least(1), default=2, help="k of the top-k gate (default 2)")
+    model.add_argument("--capacity_factor", type=finite_float, default=1.0,
                        help="> 0 fixed capacity, 0 dropless, < 0 bounded dropless (Tutel semantics; default 1)")
-    model.add_argument("--l_aux_wt", type=_finite_float, default=0.01, help="weight of the load-balancing loss")
+    model.add_argument("--l_aux_wt", type=finite_float, default=0.01, help="weight of the load-balancing loss")
     model.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
-    model.add_argument("--lr", type=_positive_float, default=0.01)
+    model.add_argument("--lr", type=positive_float, default=0.01)
     model.add_argument("--seed", type=int, default=0, help="seed of the data and of the parameters")
     return parser
 
@@ -184,17 +148,13 @@ def is_multi_process(args: argparse.Namespace) -> bool:
 
 def set_local_device_count(count: int | None) -> None:
     """Sets the number of host (CPU) devices in XLA_FLAGS; must run before JAX initialises its backends."""
-    flags = os.environ.get("XLA_FLAGS", "")
     if count is None:
-        if _DEVICE_COUNT_FLAG in flags:
-            return
-        count = DEFAULT_LOCAL_DEVICES
-    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+        ensure_host_device_count(DEFAULT_LOCAL_DEVICES)
+    else:
+        set_host_device_count(count)
 
 
-# Parse before importing JAX: the device count must be in XLA_FLAGS before the backend starts. (`--help` and
-# bad flags exit here, without paying for the JAX import.)
+# Parse before any device use: the device count must be in XLA_FLAGS before the backend starts.
 if __name__ == "__main__":
     ARGS = parse_args()
     set_local_device_count(ARGS.local_devices)
@@ -208,10 +168,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-try:
-    import tutel_jax  # noqa: F401
-except ModuleNotFoundError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params  # noqa: E402
 

@@ -58,7 +58,7 @@ def test_tiny_run_checks_and_writes_json(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (("--node_size", "3"), "--node_size: 3 does not divide the device count 8"),
-    (("--size_mb", "0"), "--size_mb: must be a finite number > 0"),
+    (("--size_mb", "0"), "--size_mb: must be > 0"),
     (("--devices", "9"), "--devices: 9 requested but only 8 available"),
 ])
 def test_bad_flags_exit_with_an_error_line(args: tuple[str, ...], message: str) -> None:

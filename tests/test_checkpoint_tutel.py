@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ from flax import nnx
 
 from conftest import TutelCase
 from tutel_jax import moe
-from tutel_jax.checkpoint import CheckpointFormatError, load_torch_file, save_torch_file
+from tutel_jax.checkpoint import CheckpointFormatError, load_torch_file
 
 CASE = TutelCase("top2_cf1")
 

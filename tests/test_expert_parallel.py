@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tutel_jax import init_params, make_config, moe_apply
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from tutel_jax.parallel.all_to_all import expert_all_to_all, expert_all_to_all_reverse
-from tutel_jax.parallel.expert_parallel import _shard_map
+from tutel_jax.parallel import shard_map
 
 M, H = 16, 16
 DEVICES = np.array(jax.devices()[:8])
@@ -139,7 +139,7 @@ def test_2dh_all_to_all_equals_flat_bitwise():
         return flat, hier, back
 
     spec = P(("node", "local"))
-    flat, hier, back = jax.jit(_shard_map(both, mesh, (spec,), (spec, spec, spec)))(buf)
+    flat, hier, back = jax.jit(shard_map(both, mesh, (spec,), (spec, spec, spec)))(buf)
     np.testing.assert_array_equal(np.asarray(flat), np.asarray(hier))
     np.testing.assert_array_equal(np.asarray(back), np.asarray(buf))
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import reference_np as ref
-from tutel_jax import MoE, init_params, make_config, moe, moe_apply
+from tutel_jax import MoE, make_config, moe, moe_apply
 from tutel_jax.linen import MoELinen
 
 M = 16

@@ -1,7 +1,7 @@
 """Expert parallelism over device meshes: flat and 2DH all_to_all, the shard_map'd layer, placement helpers."""
 
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
-from .expert_parallel import ExpertParallel, moe_apply_parallel, param_shardings, shard_params
+from .expert_parallel import ExpertParallel, moe_apply_parallel, param_shardings, shard_map, shard_params
 
-__all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params", "expert_all_to_all",
+__all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params", "shard_map", "expert_all_to_all",
            "expert_all_to_all_reverse"]

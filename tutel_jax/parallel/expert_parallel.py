@@ -36,14 +36,15 @@ from ..layer import MoEAux, apply_shared_experts, route, run_experts_buffered, r
 from ..routing.plan import align_capacity
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
 
-__all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params"]
+__all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params", "shard_map"]
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
+def shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map` (or `jax.experimental.shard_map.shard_map` on older JAX)."""
     if hasattr(jax, "shard_map"):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map  # older JAX
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map as legacy  # older JAX
+    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def _as_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -375,7 +376,7 @@ def moe_apply_parallel(
 
     token_spec = P(token_axes)
     specs = param_specs(params, placement, config)
-    fn = _shard_map(local, mesh,
+    fn = shard_map(local, mesh,
                     in_specs=(specs, token_spec, None if valid is None else token_spec, None if rng is None else P()),
                     out_specs=(token_spec, P()))
     y, aux = fn(params, x, valid, rng)
