@@ -25,3 +25,12 @@ __all__ = [
     "fast_encode", "fast_decode", "top_k_routing", "RoutingPlan", "Gate", "register_gate",
     "Experts", "FFNExperts", "LlamaFFNExperts", "register_experts", "gshard_loss", "load_importance_loss",
 ]
+
+_LAZY_SUBMODULES = ("models", "serving", "parallel", "checkpoint", "reconfigure", "training", "linen")
+
+
+def __getattr__(name):  # heavier subpackages load on first use: `tutel_jax.models.from_pretrained(...)`
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

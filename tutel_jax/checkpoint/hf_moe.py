@@ -24,9 +24,11 @@ SUPPORTED = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a float safetensors file as NumPy arrays (`safetensors.numpy.load_file`)."""
-    from safetensors.numpy import load_file
-    return load_file(str(path))
+    """All tensors of a safetensors file as NumPy arrays (any dtype, bfloat16 and float8 included; every header
+    entry validated before reading; see `safetensors_io`)."""
+    from .safetensors_io import SafetensorsFile
+    with SafetensorsFile(path) as f:
+        return {name: f[name] for name in f.keys()}
 
 
 def _num_experts(config: Mapping) -> int:
