@@ -3,7 +3,7 @@
 
 Rows of lhs are sorted by group: rows [start_g, start_g + group_sizes[g]) use rhs[g]. Rows past
 sum(group_sizes) produce zeros. Reference: `jax.lax.ragged_dot` (and `lax.ragged_dot_general` in the
-transposed mode for tgmm), which is correct but dense-masked (GUIDE section 5): the kernel only touches the
+transposed mode for tgmm), which is correct but dense-masked (on CPU): the kernel only touches the
 tiles a group actually owns.
 
 Kernel (Triton backend), megablox-style tile schedule:

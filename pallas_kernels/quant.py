@@ -1,6 +1,6 @@
 """Quantized weight formats: containers, reference dequantizers, test quantizers, in-kernel decoders.
 
-Formats (GUIDE section 3; /work/shared/fixtures/README.md "Quantized formats"). A weight is stored [out, in]
+Formats as the checkpoints store them (see also tests/fixtures/README.md). A weight is stored [out, in]
 (HF layout: y = x @ W.T), optionally with leading expert dims [..., out, in].
 
 | container      | element                                   | scale                                            | dequant                          |

@@ -1,6 +1,6 @@
 """One MoE block of a Hugging Face checkpoint as a tutel-jax layer: config + parameters.
 
-Supported `model_type`s (float checkpoints; on-disk names, see the engineering guide section 4):
+Supported `model_type`s (float checkpoints; names as stored on disk):
   mixtral      block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1 / w3 [I, H] (gate / up), w2 [H, I]
   qwen3_moe    mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight (also qwen2-style names without shared)
   deepseek_v3  mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{e}.*, mlp.shared_experts.*

@@ -1,6 +1,6 @@
 """A small, strict, lazy safetensors reader (mmap + ml_dtypes) for every dtype HF checkpoints use.
 
-The `safetensors` package's NumPy loader fails on F8_E4M3 and BF16 tensors (engineering guide section 5); the
+The `safetensors` package's NumPy loader fails on F8_E4M3 and BF16 tensors; the
 format is simple enough to read directly:
 
     [8 bytes: little-endian u64 N] [N bytes: JSON header] [data bytes]

@@ -1,4 +1,4 @@
-"""Dequantize-on-load view of a quantized HF checkpoint (engineering guide section 3, fixtures README section 1).
+"""Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant.py).
 
 `DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names,
 so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoints unchanged:
