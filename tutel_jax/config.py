@@ -40,6 +40,8 @@ class MoEConfig:
         `lax.ragged_dot`, no padding at all), 'bucketed' (the capacity path at the smallest of a few static
         capacities >= the max count: bounded padding, much faster on CPU, where ragged_dot is dense-masked), or
         'auto' (bucketed on CPU, ragged elsewhere). See `tutel_jax.dropless`.
+      kernel_backend: None (plain XLA), or a `pallas_kernels` implementation ('auto', 'pallas', 'interpret',
+        'xla') for dispatch/combine and, when the experts take it, their grouped matmuls.
     """
 
     model_dim: int
@@ -58,6 +60,7 @@ class MoEConfig:
     result_func: Callable | None = None
     shared_experts: SharedExperts | None = None
     dropless_impl: str = "ragged"
+    kernel_backend: str | None = None
 
     @property
     def sharded_count(self) -> int:
@@ -118,6 +121,7 @@ def make_config(
     dtype: Any = jnp.float32,
     result_func: Callable | None = None,
     dropless_impl: str = "ragged",
+    kernel_backend: str | None = None,
 ) -> MoEConfig:
     """Validates Tutel's `moe_layer` arguments into an MoEConfig.
 
@@ -168,6 +172,10 @@ def make_config(
     if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model") or (
             parallel_type.startswith("adaptive:") and parallel_type[9:].isdigit())):
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
+    if kernel_backend not in (None, "auto", "pallas", "interpret", "xla"):
+        raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
+    if kernel_backend is not None and getattr(expert_net, "kernel_backend", kernel_backend) is None:
+        expert_net = dataclasses.replace(expert_net, kernel_backend=kernel_backend)  # grouped matmuls too
     if dropless_impl not in ("auto", "ragged", "bucketed"):
         raise ValueError(f"dropless_impl must be 'auto', 'ragged' or 'bucketed', got {dropless_impl!r}")
     try:
@@ -179,7 +187,7 @@ def make_config(
         is_postscore=bool(is_postscore), batch_prioritized_routing=bool(batch_prioritized_routing),
         normalize_gate=bool(normalize_gate), is_gshard_loss=bool(is_gshard_loss), a2a_ffn_overlap_degree=degree,
         parallel_type=parallel_type, use_2dh=bool(use_2dh), dtype=dtype, result_func=result_func,
-        shared_experts=shared, dropless_impl=dropless_impl,
+        shared_experts=shared, dropless_impl=dropless_impl, kernel_backend=kernel_backend,
     )
     config.adaptive_degree()  # validates r of 'adaptive:r' against the sharded count
     return config

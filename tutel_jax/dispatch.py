@@ -164,23 +164,36 @@ def _decode_weights(plan: RoutingPlan, is_postscore: bool) -> jax.Array:
     return plan.gates if is_postscore else jnp.ones_like(plan.gates)
 
 
-def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -> jax.Array:
+def _kernel_op(name: str, backend: str | None, top_k: int):
+    """The pallas_kernels version of an op when a backend is asked for (None: this module's XLA version)."""
+    if backend is None or top_k >= SLOT_MAJOR_MIN_K:
+        return None
+    import pallas_kernels  # kernels are optional at import time; loaded only when asked for
+    op = getattr(pallas_kernels, name)
+    return lambda *args: op(*args, implementation=backend)
+
+
+def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True, backend: str | None = None
+                ) -> jax.Array:
     """Tutel's `fast_encode`: [S, M] tokens -> [E, C, M] expert buffer.
 
     With `is_postscore` tokens are copied as they are (weights applied at decode); otherwise each is scaled by
-    its gate weight. Computed in the gate's dtype, like Tutel; the caller casts back.
+    its gate weight. Computed in the gate's dtype, like Tutel; the caller casts back. `backend` selects the
+    `pallas_kernels` implementation ('auto', 'pallas', 'interpret', 'xla'); None uses this module's gathers.
     """
     cap = plan.buffer_capacity
     slots = buffer_slots(plan)
     x = x.astype(plan.gates.dtype)
+    weights, num_slots = _encode_weights(plan, is_postscore), plan.num_experts * cap
     if plan.top_k >= SLOT_MAJOR_MIN_K:  # gathers per slot; autodiff's transpose is a scatter-add per slot
-        flat = _encode_impl(x, _encode_weights(plan, is_postscore), slots, plan.num_experts * cap)
-        return flat.reshape(plan.num_experts, cap, x.shape[-1])
-    flat = encode(x, _encode_weights(plan, is_postscore), slots, plan.num_experts * cap)
+        flat = _encode_impl(x, weights, slots, num_slots)
+    else:
+        flat = (_kernel_op("encode", backend, plan.top_k) or encode)(x, weights, slots, num_slots)
     return flat.reshape(plan.num_experts, cap, x.shape[-1])
 
 
-def fast_decode(data: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -> jax.Array:
+def fast_decode(data: jax.Array, plan: RoutingPlan, is_postscore: bool = True, backend: str | None = None
+                ) -> jax.Array:
     """Tutel's `fast_decode`: [E, C, M] expert outputs -> [S, M] tokens (a fully dropped token gets 0)."""
     num_experts, cap, dim = data.shape
     if cap != plan.buffer_capacity or num_experts != plan.num_experts:
@@ -188,15 +201,19 @@ def fast_decode(data: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -
     flat = data.reshape(num_experts * cap, dim).astype(plan.gates.dtype)
     if plan.top_k >= SLOT_MAJOR_MIN_K:
         return _decode_slot_major(flat, _decode_weights(plan, is_postscore), buffer_slots(plan))
-    return decode(flat, _decode_weights(plan, is_postscore), buffer_slots(plan))
+    op = _kernel_op("decode", backend, plan.top_k) or decode
+    return op(flat, _decode_weights(plan, is_postscore), buffer_slots(plan))
 
 
-def permute(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -> jax.Array:
+def permute(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True, backend: str | None = None) -> jax.Array:
     """Dropless: [S, M] -> [k*S, M] rows sorted by expert (group sizes = plan.dispatch_count)."""
     x = x.astype(plan.gates.dtype)
-    return encode(x, _encode_weights(plan, is_postscore), grouped_slots(plan), plan.gates.size)
+    op = _kernel_op("encode", backend, plan.top_k) or encode
+    return op(x, _encode_weights(plan, is_postscore), grouped_slots(plan), plan.gates.size)
 
 
-def unpermute(rows: jax.Array, plan: RoutingPlan, is_postscore: bool = True) -> jax.Array:
+def unpermute(rows: jax.Array, plan: RoutingPlan, is_postscore: bool = True, backend: str | None = None
+              ) -> jax.Array:
     """Dropless: [k*S, M] expert outputs sorted by expert -> [S, M]."""
-    return decode(rows.astype(plan.gates.dtype), _decode_weights(plan, is_postscore), grouped_slots(plan))
+    op = _kernel_op("decode", backend, plan.top_k) or decode
+    return op(rows.astype(plan.gates.dtype), _decode_weights(plan, is_postscore), grouped_slots(plan))

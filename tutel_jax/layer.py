@@ -175,15 +175,15 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
 
 
 def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    rows = dispatch.permute(x, plan, config.is_postscore).astype(x.dtype)
+    rows = dispatch.permute(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)
     out = config.experts.grouped(expert_params, rows, plan.dispatch_count)
-    return dispatch.unpermute(out, plan, config.is_postscore)
+    return dispatch.unpermute(out, plan, config.is_postscore, config.kernel_backend)
 
 
 def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    buf = dispatch.fast_encode(x, plan, config.is_postscore).astype(x.dtype)  # [E, C, M]
+    buf = dispatch.fast_encode(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)  # [E, C, M]
     out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
-    return dispatch.fast_decode(out, plan, config.is_postscore)
+    return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
 
 def moe_apply(

@@ -65,7 +65,8 @@ class MoE(nnx.Module):
     parallelism; E = count_per_node x expert-axis size), seeds (gate seed, expert seed, noise seed),
     a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
     parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds),
-    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`).
+    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`), kernel_backend (None = plain XLA, or
+    a `pallas_kernels` implementation 'auto' | 'pallas' | 'interpret' | 'xla' for dispatch and grouped matmuls).
     Modern routers ('mixtral', 'qwen3_moe', 'deepseek_v3', 'gpt_oss', 'switch', 'expert_choice') and experts
     ('swiglu', 'gpt_oss', with `'shared': {...}` shared experts) plug in through gate_type / experts; a DeepSeek
     gate's `e_score_correction_bias` is a `RouterState` (not an `nnx.Param`): see `update_correction_bias`.
@@ -92,6 +93,7 @@ class MoE(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
         dropless_impl: str = "ragged",
+        kernel_backend: str | None = None,
         **kwargs: Any,
     ):
         if kwargs:
@@ -106,7 +108,7 @@ class MoE(nnx.Module):
             batch_prioritized_routing=batch_prioritized_routing, normalize_gate=normalize_gate,
             is_gshard_loss=is_gshard_loss, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree,
             parallel_type=parallel_type, use_2dh=use_2dh, dtype=dtype, result_func=result_func,
-            dropless_impl=dropless_impl)
+            dropless_impl=dropless_impl, kernel_backend=kernel_backend)
         if seeds is not None:
             if len(seeds) < 2:
                 raise ValueError(f"seeds must be (gate seed, expert seed[, noise seed]), got {seeds!r}")

@@ -332,13 +332,14 @@ def moe_apply_parallel(
             expert_params = params["experts"] if s == 1 else replica_params(params["experts"])
 
             def run_at(plan):
-                buf = dispatch.fast_encode(tokens, plan, config.is_postscore).astype(tokens.dtype)  # [E, C, M]
+                buf = dispatch.fast_encode(tokens, plan, config.is_postscore, config.kernel_backend)
+                buf = buf.astype(tokens.dtype)  # [E, C, M]
                 chunk = buf.shape[1] // degree
                 # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
                 outputs = [exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params)
                            for i in range(degree)]
                 out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
-                return dispatch.fast_decode(out, plan, config.is_postscore)
+                return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
             if plan.buffer_capacity is None:
                 # dropless across devices, padded all_to_all: the smallest of a few static capacities >= the
