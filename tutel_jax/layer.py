@@ -17,7 +17,7 @@ from . import dispatch
 from . import dropless
 from .config import MoEConfig
 from .losses import gshard_loss, load_importance_loss
-from .routing.plan import RoutingPlan, top_k_routing
+from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
 from .routing.router_plan import is_router_gate, route_with_router
 
 __all__ = ["MoEAux", "init_params", "moe_apply", "route", "apply_shared_experts"]
@@ -132,21 +132,43 @@ def route(
         noisy = logits + gate.gate_noise * noise / num_experts
     scores = jax.nn.softmax(noisy, axis=1)
 
-    plan = top_k_routing(
-        scores, k, cf,
-        batch_prioritized_routing=config.batch_prioritized_routing,
-        normalize_gate=config.normalize_gate,
-        alignment=alignment,
-        valid=valid,
-        num_tokens_for_capacity=num_tokens_for_capacity,
-        max_count_reduce=max_count_reduce,
-    )
+    if config.kernel_backend is not None and valid is None:
+        plan = _kernel_top_k_routing(scores, noisy, k, cf, config, alignment, num_tokens_for_capacity,
+                                     max_count_reduce)
+    else:
+        plan = top_k_routing(
+            scores, k, cf,
+            batch_prioritized_routing=config.batch_prioritized_routing,
+            normalize_gate=config.normalize_gate,
+            alignment=alignment,
+            valid=valid,
+            num_tokens_for_capacity=num_tokens_for_capacity,
+            max_count_reduce=max_count_reduce,
+        )
     if config.is_gshard_loss:
         l_aux = gshard_loss(scores, plan.expert_ids, valid)
     else:
         top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
         l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise, valid)
     return (plan, l_aux, {}) if return_losses else (plan, l_aux)
+
+
+def _kernel_top_k_routing(scores, noisy, k, cf, config: MoEConfig, alignment, num_tokens_for_capacity,
+                          max_count_reduce) -> RoutingPlan:
+    """Tutel's top-k routing with the fused gating kernel choosing experts and slots (integer outputs); the
+    combine weights are re-gathered from `scores` so gradients reach the gate as on the plain path."""
+    import pallas_kernels
+    fused = pallas_kernels.gating(jax.lax.stop_gradient(noisy), k, score_fn="softmax",
+                                  normalize=config.normalize_gate,
+                                  batch_prioritized_routing=config.batch_prioritized_routing,
+                                  implementation=config.kernel_backend)
+    ids = fused.expert_ids
+    gates = jnp.take_along_axis(scores, ids.T, axis=1).T  # [k, S]
+    if ids.shape[0] > 1 and config.normalize_gate:
+        gates = gates / jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
+    return plan_from_choices(ids, gates, config.num_global_experts, cf, alignment=alignment,
+                             num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce,
+                             slots=(fused.locations, fused.counts))
 
 
 def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:

@@ -204,6 +204,7 @@ def plan_from_choices(
     valid: jax.Array | None = None,
     num_tokens_for_capacity: int | jax.Array | None = None,
     max_count_reduce=None,
+    slots: tuple[jax.Array, jax.Array] | None = None,
 ) -> RoutingPlan:
     """A routing plan from any router's choices: Tutel's slots, counts and capacity for given experts and weights.
 
@@ -217,6 +218,8 @@ def plan_from_choices(
         Tutel's batch-prioritized routing when it is the best score of each token. None: token order.
       alignment, valid, num_tokens_for_capacity, max_count_reduce: as in `top_k_routing`. Padding tokens
         (valid False) take no slot, count nowhere and get weight 0.
+      slots: optional precomputed (locations [k, S], counts [E]) in Tutel's order (e.g. from the fused gating
+        kernel); only without `valid`.
 
     Returns:
       A RoutingPlan; `buffer_capacity` is None for capacity_factor == 0.
@@ -232,7 +235,12 @@ def plan_from_choices(
     order = None
     if priority is not None:
         order = jnp.argsort(-(priority if valid is None else jnp.where(valid, priority, -jnp.inf)), stable=True)
-    locations, counts = slot_positions(slot_ids, num_slot_experts, order)
+    if slots is not None:
+        if valid is not None:
+            raise ValueError("precomputed slots cannot be combined with a padding mask (valid)")
+        locations, counts = slots
+    else:
+        locations, counts = slot_positions(slot_ids, num_slot_experts, order)
     counts = counts[:num_experts]
     if valid is not None:
         locations = jnp.where(valid[None, :], locations, jnp.iinfo(jnp.int32).max)
