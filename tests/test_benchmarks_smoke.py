@@ -29,3 +29,8 @@ def test_expert_parallel_benchmark_quick(tmp_path):
     result = _run("expert_parallel.py", tmp_path / "ep.json")
     assert set(result["timings"]) >= {"1 device", "EP 8 (flat)", "EP 8, 2DH (2x4)"}
     assert all(t["median_s"] > 0 for t in result["timings"].values())
+
+
+def test_serve_benchmark_quick(tmp_path):
+    result = _run("serve.py", tmp_path / "serve.json")
+    assert result
