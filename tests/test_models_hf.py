@@ -20,8 +20,8 @@ from tutel_jax.models.dequant import dequant_fp8_block, dequant_mxfp4, dequant_n
 from tutel_jax.serving import generate, left_align
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-CASES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
-QUANT_CASES = ["deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4"]  # dequantized to float32 on load
+CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+QUANT_CASES = ["deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4"]  # kept quantized in memory
 TOL = dict(rtol=1e-4, atol=1e-4)
 _MODELS: dict = {}
 

@@ -2,6 +2,7 @@
 
 Registered as expert types 'swiglu' and 'gpt_oss' (see `experts.EXPERT_TYPES`); both have `batched` (capacity
 buffer), `grouped` (dropless, rows sorted by expert) and `hidden_axes` (sharded experts, tensor parallel).
+With `weight_format` ('fp8_block', 'mxfp4', 'nvfp4') the weights stay quantized (`experts_quant`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 
 from .dispatch import group_row_experts
 from .experts import _activation, _grouped_matmul, register_experts
+from .experts_quant import QuantGptOssExperts, QuantSwiGLUExperts
+from .quant_weights import check_format
 
 __all__ = ["SwiGLUExperts", "GptOssExperts", "gpt_oss_glu"]
 
@@ -118,15 +121,22 @@ class GptOssExperts:
         return {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
 
 
-def _swiglu_factory(hidden_size_per_expert, activation_fn=None, output_dim=None, kernel_backend=None):
-    return SwiGLUExperts(hidden_size_per_expert, _activation(activation_fn, "silu"), output_dim, kernel_backend)
+def _swiglu_factory(hidden_size_per_expert, activation_fn=None, output_dim=None, kernel_backend=None,
+                    weight_format=None):
+    act = _activation(activation_fn, "silu")
+    if check_format(weight_format, "experts['weight_format']") is not None:
+        return QuantSwiGLUExperts(hidden_size_per_expert, weight_format, act, output_dim, kernel_backend)
+    return SwiGLUExperts(hidden_size_per_expert, act, output_dim, kernel_backend)
 
 
 def _gpt_oss_factory(hidden_size_per_expert, swiglu_limit=7.0, swiglu_alpha=1.702, output_dim=None,
-                     kernel_backend=None):
+                     kernel_backend=None, weight_format=None):
     for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"experts['{name}'] must be a positive number, got {value!r}")
+    if check_format(weight_format, "experts['weight_format']") is not None:
+        return QuantGptOssExperts(hidden_size_per_expert, weight_format, float(swiglu_alpha), float(swiglu_limit),
+                                  output_dim, kernel_backend)
     return GptOssExperts(hidden_size_per_expert, float(swiglu_alpha), float(swiglu_limit), output_dim, kernel_backend)
 
 

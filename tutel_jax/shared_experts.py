@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from . import quant_weights
 from .experts import _activation
 
 __all__ = ["SharedExperts", "make_shared_experts"]
@@ -29,12 +30,14 @@ class SharedExperts:
       activation_fn: silu by default.
 
     Parameters ([in, out] layout, HF weights transposed): gate_proj [M, I], up_proj [M, I], down_proj [I, M_out],
-    and with `gate` also gate: {'weight': [1, M]}.
+    and with `gate` also gate: {'weight': [1, M]}. With `weight_format` the three projections are quantized
+    containers in the HF [out, in] layout instead: gate_proj [I, M], up_proj [I, M], down_proj [M_out, I].
     """
 
     hidden_size: int
     gate: bool = False
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
+    weight_format: str | None = None
 
     def init(self, key: jax.Array, model_dim: int, output_dim: int, dtype: Any) -> dict:
         keys = jax.random.split(key, 4)
@@ -43,6 +46,9 @@ class SharedExperts:
         params = {"gate_proj": u(keys[0], (model_dim, self.hidden_size), model_dim),
                   "up_proj": u(keys[1], (model_dim, self.hidden_size), model_dim),
                   "down_proj": u(keys[2], (self.hidden_size, output_dim), self.hidden_size)}
+        if self.weight_format is not None:
+            params.update({name: quant_weights.quantize(params[name].astype(jnp.float32).T, self.weight_format)
+                           for name in ("gate_proj", "up_proj", "down_proj")})
         if self.gate:
             params["gate"] = {"weight": u(keys[3], (1, model_dim), model_dim)}
         return params
@@ -50,8 +56,13 @@ class SharedExperts:
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         """x [S, M] -> [S, M_out] in x's dtype."""
         dtype = x.dtype
-        h = self.activation_fn(x @ params["gate_proj"].astype(dtype)) * (x @ params["up_proj"].astype(dtype))
-        y = h @ params["down_proj"].astype(dtype)
+        if self.weight_format is not None:
+            h = (self.activation_fn(quant_weights.dense(x, params["gate_proj"]))
+                 * quant_weights.dense(x, params["up_proj"]))
+            y = quant_weights.dense(h, params["down_proj"])
+        else:
+            h = self.activation_fn(x @ params["gate_proj"].astype(dtype)) * (x @ params["up_proj"].astype(dtype))
+            y = h @ params["down_proj"].astype(dtype)
         if "gate" in params:
             y = y * jax.nn.sigmoid(x @ params["gate"]["weight"].astype(dtype).T)
         return y
@@ -65,10 +76,13 @@ def make_shared_experts(spec: Any) -> SharedExperts:
         raise ValueError(f"experts['shared'] must be a dict like {{'hidden_size': 1024, 'gate': False}}, "
                          f"got {type(spec).__name__}")
     options = dict(spec)
-    unknown = sorted(set(options) - {"hidden_size", "gate", "activation_fn"})
+    unknown = sorted(set(options) - {"hidden_size", "gate", "activation_fn", "weight_format"})
     if unknown:
-        raise ValueError(f"experts['shared']: unknown option(s) {unknown}; expected hidden_size, gate, activation_fn")
+        raise ValueError(f"experts['shared']: unknown option(s) {unknown}; expected hidden_size, gate, activation_fn, "
+                         "weight_format")
     hidden = options.get("hidden_size")
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise ValueError(f"experts['shared']['hidden_size'] must be a positive integer, got {hidden!r}")
-    return SharedExperts(hidden, bool(options.get("gate", False)), _activation(options.get("activation_fn"), "silu"))
+    weight_format = quant_weights.check_format(options.get("weight_format"), "experts['shared']['weight_format']")
+    return SharedExperts(hidden, bool(options.get("gate", False)), _activation(options.get("activation_fn"), "silu"),
+                         weight_format)

@@ -2,12 +2,14 @@
 
 Supported `model_type`s (float checkpoints; names as stored on disk):
   mixtral      block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1 / w3 [I, H] (gate / up), w2 [H, I]
-  qwen3_moe    mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight (also qwen2-style names without shared)
+  qwen3_moe    mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight
+  qwen2_moe    as qwen3_moe, plus mlp.shared_expert.{gate,up,down}_proj.weight and mlp.shared_expert_gate.weight [1, H]
   deepseek_v3  mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{e}.*, mlp.shared_experts.*
   gpt_oss      mlp.router.weight / bias, mlp.experts.gate_up_proj [E, H, 2I] (interleaved), gate_up_proj_bias,
                down_proj [E, I, H], down_proj_bias
 The block maps hidden states [..., H] to the MoE output [..., H] exactly like the HF block (dropless: HF never
-drops tokens), shared experts included.
+drops tokens), shared experts included. Read through `models.dequant.QuantizedTensors`, quantized expert weights
+stay packed (experts `weight_format`, see `experts_quant`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["hf_moe_block", "moe_layer_indices", "load_safetensors"]
+from .. import quant_weights
 
-SUPPORTED = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+__all__ = ["hf_moe_block", "hf_moe_block_tensors", "moe_layer_indices", "load_safetensors"]
+
+SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -45,27 +49,52 @@ def moe_layer_indices(config: Mapping) -> list[int]:
     if kind == "deepseek_v3":
         first = int(config.get("first_k_dense_replace", 0))  # HF: every layer from first_k_dense_replace on
         return [i for i in range(layers) if i >= first]
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
         only_mlp = set(config.get("mlp_only_layers") or [])
         step = int(config.get("decoder_sparse_step", 1))
         return [i for i in range(layers) if i not in only_mlp and (i + 1) % step == 0]
     return list(range(layers))
 
 
-def _take(tensors: Mapping[str, np.ndarray], key: str) -> np.ndarray:
+def _take(tensors: Mapping[str, Any], key: str) -> Any:
+    """The tensor `key` as a NumPy array, or as the quantized container a quantized view gives."""
     if key not in tensors:
         raise ValueError(f"checkpoint has no tensor {key!r}")
-    return np.asarray(tensors[key])
+    value = tensors[key]
+    return value if quant_weights.is_quantized(value) else np.asarray(value)
 
 
-def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str, str]) -> dict:
-    """Per-expert HF [out, in] weights -> 'swiglu' params (gate_up_proj [E, M, 2, I], down_proj [E, I, M])."""
-    g, u, d = names
-    gate = np.stack([_take(tensors, f"{prefix}{e}.{g}") for e in range(num_experts)])  # [E, I, M]
-    up = np.stack([_take(tensors, f"{prefix}{e}.{u}") for e in range(num_experts)])
-    down = np.stack([_take(tensors, f"{prefix}{e}.{d}") for e in range(num_experts)])  # [E, M, I]
+def _format_of(values: list, what: str) -> str | None:
+    """The one weight format of `values` (None: all float); ValueError for a mix."""
+    formats = {getattr(v, "format", None) for v in values}
+    if len(formats) > 1:
+        raise ValueError(f"{what}: mixed weight formats {sorted(map(str, formats))}")
+    return formats.pop()
+
+
+def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str, str]) -> tuple[dict, str | None]:
+    """Per-expert HF [out, in] weights -> ('swiglu' params, weight format). Float: gate_up_proj [E, M, 2, I],
+    down_proj [E, I, M]; quantized: containers gate_proj / up_proj [E, I, M], down_proj [E, M, I]."""
+    parts = {n: [_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)] for n in names}
+    fmt = _format_of([v for vs in parts.values() for v in vs], f"experts under {prefix!r}")
+    if fmt is not None:
+        return {key: quant_weights.stack(parts[n]) for key, n in zip(("gate_proj", "up_proj", "down_proj"),
+                                                                     names)}, fmt
+    gate, up, down = (np.stack(parts[n]) for n in names)  # [E, I, M], [E, I, M], [E, M, I]
     return {"gate_up_proj": np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=2),
-            "down_proj": down.transpose(0, 2, 1)}
+            "down_proj": down.transpose(0, 2, 1)}, None
+
+
+def _shared_experts(tensors, prefix: str, hidden: int, gate_name: str | None = None) -> tuple[dict, dict]:
+    """(the experts['shared'] spec, its params) from `{prefix}{gate,up,down}_proj.weight` (+ a sigmoid gate
+    weight [1, H] under `gate_name`). Float weights take the [in, out] layout; quantized ones stay [out, in]."""
+    params = {n: _take(tensors, f"{prefix}{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")}
+    fmt = _format_of(list(params.values()), prefix)
+    if fmt is None:
+        params = {n: v.T for n, v in params.items()}
+    if gate_name is not None:
+        params["gate"] = {"weight": _take(tensors, gate_name)}
+    return {"hidden_size": hidden, "gate": gate_name is not None, "weight_format": fmt}, params
 
 
 def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int | None = None, *,
@@ -102,16 +131,21 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
         gate = {"type": "mixtral", "k": k, "capacity_factor": capacity_factor}
         gate_params = {"weight": _take(tensors, p + "gate.weight")}
         experts["type"] = "swiglu"
-        expert_params = _stack_swiglu(tensors, p + "experts.", num_experts, ("w1.weight", "w3.weight", "w2.weight"))
-    elif kind in ("qwen3_moe", "deepseek_v3"):
+        expert_params, experts["weight_format"] = _stack_swiglu(tensors, p + "experts.", num_experts,
+                                                                ("w1.weight", "w3.weight", "w2.weight"))
+    elif kind in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
         p = f"model.layers.{layer}.mlp."
         gate_params = {"weight": _take(tensors, p + "gate.weight")}
         experts["type"] = "swiglu"
-        expert_params = _stack_swiglu(tensors, p + "experts.", num_experts,
-                                      ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
-        if kind == "qwen3_moe":
+        expert_params, experts["weight_format"] = _stack_swiglu(
+            tensors, p + "experts.", num_experts, ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+        if kind in ("qwen3_moe", "qwen2_moe"):  # the same softmax top-k router
             gate = {"type": "qwen3_moe", "k": k, "capacity_factor": capacity_factor,
                     "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+            if kind == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
+                experts["shared"], shared_params = _shared_experts(
+                    tensors, p + "shared_expert.", int(config["shared_expert_intermediate_size"]),
+                    p + "shared_expert_gate.weight")
         else:
             has_bias = p + "gate.e_score_correction_bias" in tensors
             gate = {"type": "deepseek_v3", "k": k, "capacity_factor": capacity_factor,
@@ -123,11 +157,7 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
                 gate_params["e_score_correction_bias"] = _take(tensors, p + "gate.e_score_correction_bias")
             n_shared = int(config.get("n_shared_experts") or 0)
             if n_shared:
-                sp = p + "shared_experts."
-                experts["shared"] = {"hidden_size": hidden * n_shared, "gate": False}
-                shared_params = {"gate_proj": _take(tensors, sp + "gate_proj.weight").T,
-                                 "up_proj": _take(tensors, sp + "up_proj.weight").T,
-                                 "down_proj": _take(tensors, sp + "down_proj.weight").T}
+                experts["shared"], shared_params = _shared_experts(tensors, p + "shared_experts.", hidden * n_shared)
     else:  # gpt_oss
         p = f"model.layers.{layer}.mlp."
         gate = {"type": "gpt_oss", "k": k, "capacity_factor": capacity_factor}
@@ -136,14 +166,16 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
                        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)))
         expert_params = {name: _take(tensors, p + "experts." + name)
                          for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+        experts["weight_format"] = _format_of([expert_params["gate_up_proj"], expert_params["down_proj"]],
+                                              p + "experts")
     moe_config = make_config(gate, model_dim, experts, dtype=dtype, **config_kwargs)
-    cast = lambda a: jnp.asarray(a, moe_config.dtype)
+    cast = lambda a: quant_weights.to_jax(a, moe_config.dtype)
     params = {"gates": [{name: (jnp.asarray(v, jnp.float32) if name == "e_score_correction_bias" else
                                 jnp.asarray(v, jnp.float32 if moe_config.gates[0].fp32_gate else moe_config.dtype))
                          for name, v in gate_params.items()}],
               "experts": {name: cast(v) for name, v in expert_params.items()}}
     if shared_params is not None:
-        params["shared_experts"] = {name: cast(v) for name, v in shared_params.items()}
+        params["shared_experts"] = jax_tree_map(cast, shared_params)
     _check_against_template(moe_config, params)
     return moe_config, params
 
@@ -164,3 +196,52 @@ def _check_against_template(moe_config, params) -> None:
         if tuple(a.shape) != tuple(b.shape):
             raise ValueError(f"tensor {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, the layer expects "
                              f"{tuple(b.shape)}")
+
+
+def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int) -> dict[str, np.ndarray]:
+    """The inverse of `hf_moe_block` for float weights: the block's tensors under their on-disk names.
+
+    params: the block's {'gates', 'experts'[, 'shared_experts']} as `hf_moe_block` builds them.
+    Quantized expert weights: ValueError (export writes float checkpoints only).
+    """
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"model_type must be one of {SUPPORTED}, got {kind!r}")
+    if any(quant_weights.is_quantized(v) for v in _leaves(params)):
+        raise ValueError(f"layer {layer}: quantized expert weights cannot be exported (float checkpoints only)")
+    arr = lambda a: np.asarray(a)
+    gate, experts = params["gates"][0], params["experts"]
+    out: dict[str, np.ndarray] = {}
+    if kind == "gpt_oss":
+        p = f"model.layers.{layer}.mlp."
+        out[p + "router.weight"], out[p + "router.bias"] = arr(gate["weight"]), arr(gate["bias"])
+        out.update({p + "experts." + n: arr(experts[n])
+                    for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")})
+        return out
+    p = f"model.layers.{layer}." + ("block_sparse_moe." if kind == "mixtral" else "mlp.")
+    out[p + "gate.weight"] = arr(gate["weight"])
+    if "e_score_correction_bias" in gate:
+        out[p + "gate.e_score_correction_bias"] = arr(gate["e_score_correction_bias"])
+    names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = arr(experts["gate_up_proj"]), arr(experts["down_proj"])  # [E, M, 2, I], [E, I, M]
+    for e in range(gate_up.shape[0]):
+        for name, w in zip(names, (gate_up[e, :, 0].T, gate_up[e, :, 1].T, down[e].T)):
+            out[f"{p}experts.{e}.{name}.weight"] = np.ascontiguousarray(w)
+    shared = dict(params.get("shared_experts") or {})
+    shared_prefix = p + ("shared_expert." if kind == "qwen2_moe" else "shared_experts.")
+    if "gate" in shared:
+        out[p + "shared_expert_gate.weight"] = arr(shared.pop("gate")["weight"])
+    for name, w in shared.items():
+        out[f"{shared_prefix}{name}.weight"] = np.ascontiguousarray(arr(w).T)
+    return out
+
+
+def jax_tree_map(fn, tree: Any) -> Any:
+    """tree_map that keeps quantized containers whole."""
+    import jax
+    return jax.tree_util.tree_map(fn, tree, is_leaf=quant_weights.is_quantized)
+
+
+def _leaves(tree: Any) -> list:
+    import jax
+    return jax.tree_util.tree_leaves(tree, is_leaf=quant_weights.is_quantized)

@@ -199,6 +199,12 @@ class Checkpoint(Mapping):
         for f in self._files.values():
             f.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Opens `path`: a .safetensors file, or a directory with `model.safetensors` or the sharded

@@ -6,9 +6,11 @@
 """
 
 from .causal_lm import CausalLM, context_from_mask, forward, from_pretrained
+from .export import save_pretrained
 from .layers import AttnContext
+from .memory import MemoryReport, memory_report
 from .nnx_model import NNXCausalLM
 from .spec import FAMILIES, DecoderSpec, spec_from_config
 
-__all__ = ["AttnContext", "CausalLM", "DecoderSpec", "FAMILIES", "NNXCausalLM", "context_from_mask", "forward",
-           "from_pretrained", "spec_from_config"]
+__all__ = ["AttnContext", "CausalLM", "DecoderSpec", "FAMILIES", "MemoryReport", "NNXCausalLM",
+           "context_from_mask", "forward", "from_pretrained", "memory_report", "save_pretrained", "spec_from_config"]

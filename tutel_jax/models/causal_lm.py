@@ -24,7 +24,7 @@ import numpy as np
 from ..checkpoint.safetensors_io import open_checkpoint
 from ..layer import moe_apply, route
 from .attention import cache_dims, gqa_attention, mla_attention
-from .dequant import DequantizedTensors, is_quantized
+from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
 from .hf_tables import load_params
 from .layers import AttnContext, linear, rms_norm, rope_cos_sin, swiglu_mlp
 from .spec import DecoderSpec, spec_from_config
@@ -122,23 +122,40 @@ class CausalLM:
 
 
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
-                    tensors: Mapping[str, np.ndarray] | None = None) -> CausalLM:
+                    tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
+                    progress: bool | None = None) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
-    Quantized checkpoints (FP8 block, MXFP4, NVFP4; `quantization_config` in config.json) are dequantized to
-    float32 on load (`dequant.DequantizedTensors`). `tensors` overrides the checkpoint's tensors.
-    Unknown model_type: ValueError.
+    Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
+    weights packed in memory (`dequant.QuantizedTensors`); the matmuls dequantize (`tutel_jax.quant_weights`).
+    `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
+    `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
+    a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
+    model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
     """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{path}: no config.json")
-    config = json.loads(config_file.read_text())
-    spec = spec_from_config(config)
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    try:
+        spec = spec_from_config(config)
+    except KeyError as e:
+        raise ValueError(f"{config_file}: missing key {e.args[0]!r}") from None
+    check_quantization_config(config)
     ckpt = open_checkpoint(path) if tensors is None else tensors
     try:
-        source = DequantizedTensors(ckpt, config) if is_quantized(config) else ckpt
-        params, moe_configs = load_params(source, config, spec, dtype)
+        source = ckpt
+        if is_quantized(config):
+            source = QuantizedTensors(ckpt, config)
+            if dequantize or not source.fp8_block_supported():
+                source = DequantizedTensors(ckpt, config)
+        params, moe_configs = load_params(source, config, spec, dtype, progress=progress)
     finally:
         if tensors is None:
             ckpt.close()

@@ -1,7 +1,8 @@
 """Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant.py).
 
 `DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names,
-so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoints unchanged:
+so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoints unchanged;
+`QuantizedTensors(tensors, config)` shows the same names as quantized containers:
 
   FP8 block (DeepSeek)    X.weight e4m3 [out, in] + X.weight_scale_inv f32 [ceil(out/b), ceil(in/b)]
                           -> X.weight = f32(w) * scale_inv per b x b block (edge blocks partial)
@@ -9,8 +10,9 @@ so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoin
                           -> X = (LUT[nibbles] * 2**(s - 127)) [E, out, in], transposed to [E, in, out]
   NVFP4 (compressed-t.)   X.weight_packed u8 [out, in/2] + X.weight_scale e4m3 [out, in/16] + X.weight_global_scale
                           -> X.weight = LUT[nibbles] * (f32(weight_scale) / weight_global_scale)
-Other floating tensors (bf16, f16) are upcast to float32 exactly. Weights are NOT kept quantized here: this is
-the reference path; kept-quantized weights with in-kernel dequantization are future work.
+Other floating tensors (bf16, f16) are upcast to float32 exactly. That is the reference path; the default
+`QuantizedTensors` view keeps the weights packed (containers of `pallas_kernels.quant`), dequantized inside the
+matmuls (`tutel_jax.quant_weights`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["E2M1_LUT", "DequantizedTensors", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
+__all__ = ["E2M1_LUT", "QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
            "is_quantized"]
 
 E2M1_LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -33,6 +35,24 @@ def _is_float(dtype: np.dtype) -> bool:
 
 def is_quantized(config: Mapping[str, Any]) -> bool:
     return bool(config.get("quantization_config"))
+
+
+QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
+
+
+def check_quantization_config(config: Mapping[str, Any]) -> None:
+    """ValueError unless config.json's quantization_config names a supported method / format."""
+    q = config.get("quantization_config")
+    if not q:
+        return
+    if not isinstance(q, Mapping):
+        raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"unsupported quantization method {method!r}; supported: {QUANT_METHODS}")
+    fmt = q.get("format")
+    if method == "compressed-tensors" and fmt not in (None, "nvfp4-pack-quantized"):
+        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; supported: 'nvfp4-pack-quantized'")
 
 
 def dequant_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
@@ -64,8 +84,9 @@ def dequant_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarra
     return vals * np.repeat(s, group, axis=-1)[:, :vals.shape[-1]]
 
 
-class DequantizedTensors(Mapping):
-    """Float32 view of a checkpoint's tensors by unquantized name (see module docstring); lazy per tensor."""
+class _QuantizedCheckpointView(Mapping):
+    """A checkpoint's tensors by unquantized name: the parts of each quantized weight (module docstring) are
+    hidden behind its base name, which `_convert` turns into a value; other tensors go through `_plain`."""
 
     def __init__(self, tensors: Mapping[str, np.ndarray], config: Mapping[str, Any] | None = None):
         self._t = tensors
@@ -102,20 +123,77 @@ class DequantizedTensors(Mapping):
     def __len__(self) -> int:
         return len(self._names)
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def quantized_names(self) -> list[str]:
+        """Base names of the quantized weights."""
+        return list(self._rules)
+
+    def __getitem__(self, name: str) -> Any:
         rule = self._rules.get(name)
         if rule is None:
             if name not in self:
                 raise KeyError(name)
-            a = np.asarray(self._t[name])
-            return a.astype(np.float32) if _is_float(a.dtype) else a
+            return self._plain(np.asarray(self._t[name]))
         kind, parts = rule
-        a = [np.asarray(self._t[p]) for p in parts]
         try:
-            if kind == "fp8":
-                return dequant_fp8_block(a[0], a[1], self._block)
-            if kind == "mxfp4":
-                return np.swapaxes(dequant_mxfp4(a[0], a[1]), -1, -2).copy()  # [E, out, in] -> [E, in, out]
-            return dequant_nvfp4(a[0], a[1], a[2])
+            return self._convert(kind, [np.asarray(self._t[p]) for p in parts])
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
+
+    def _plain(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def _convert(self, kind: str, parts: list[np.ndarray]) -> Any:
+        raise NotImplementedError
+
+
+class DequantizedTensors(_QuantizedCheckpointView):
+    """Float32 view of a checkpoint's tensors by unquantized name (see module docstring); lazy per tensor.
+    The reference path: `from_pretrained(..., dequantize=True)`."""
+
+    def _plain(self, a):
+        return a.astype(np.float32) if _is_float(a.dtype) else a
+
+    def _convert(self, kind, a):
+        if kind == "fp8":
+            return dequant_fp8_block(a[0], a[1], self._block)
+        if kind == "mxfp4":
+            return np.swapaxes(dequant_mxfp4(a[0], a[1]), -1, -2).copy()  # [E, out, in] -> [E, in, out]
+        return dequant_nvfp4(a[0], a[1], a[2])
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class QuantizedTensors(_QuantizedCheckpointView):
+    """View whose quantized weights are `pallas_kernels.quant` containers of the packed NumPy arrays, in the
+    checkpoint's own layout (FP8 / NVFP4 [out, in]; MXFP4 [E, out, in]); shapes are validated here. Other
+    tensors are returned as stored. FP8 needs 128 x 128 blocks (`fp8_block_supported`)."""
+
+    def _convert(self, kind, a):
+        from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+        if kind == "fp8":
+            w, s = a
+            _expect(w.dtype.name == "float8_e4m3fn", f"FP8 weight must be float8_e4m3fn, got {w.dtype}")
+            want = w.shape[:-2] + tuple(-(-d // 128) for d in w.shape[-2:])
+            _expect(s.shape == want, f"weight_scale_inv shape {s.shape} does not fit weight {w.shape} in "
+                                     "128x128 blocks")
+            return Fp8BlockWeight(w, s.astype(np.float32))
+        if kind == "mxfp4":
+            blocks, scales = a
+            _expect(blocks.dtype == np.uint8 and scales.dtype == np.uint8, "MXFP4 blocks/scales must be uint8")
+            _expect(blocks.ndim >= 3 and blocks.shape[-1] == 16 and scales.shape == blocks.shape[:-1],
+                    f"MXFP4 blocks {blocks.shape} must be [..., G, 16] with scales [..., G], got scales "
+                    f"{scales.shape}")
+            return Mxfp4Weight(blocks, scales)
+        packed, scale, gscale = a
+        _expect(packed.dtype == np.uint8, f"NVFP4 weight_packed must be uint8, got {packed.dtype}")
+        _expect(scale.shape == packed.shape[:-1] + (packed.shape[-1] * 2 // 16,),
+                f"NVFP4 weight_scale shape {scale.shape} does not fit weight_packed {packed.shape} "
+                "(one scale per 16 values)")
+        _expect(gscale.size == 1, f"NVFP4 weight_global_scale must hold one value, got shape {gscale.shape}")
+        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1))
+
+    def fp8_block_supported(self) -> bool:
+        return self._block == (128, 128)

@@ -5,7 +5,8 @@ Layer parameters (`{i}` is the layer index in the on-disk names):
               or MLA {q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}
   norms       input_layernorm, post_attention_layernorm  [M]
   ffn         'moe': the tutel-jax MoE block params (`checkpoint.hf_moe.hf_moe_block`), or 'mlp': dense SwiGLU
-Linear weights keep the on-disk [out, in] layout. The per-tensor transform is a cast to the model dtype.
+Linear weights keep the on-disk [out, in] layout. The per-tensor transform is a cast to the model dtype
+(quantized weights stay packed: `quant_weights` containers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .. import quant_weights
 from ..checkpoint.hf_moe import hf_moe_block
 from .spec import DecoderSpec
 
@@ -32,8 +34,8 @@ def attention_table(spec: DecoderSpec) -> Table:
                                              else ("q_proj",))})
         return t
     t = {f"{n}_proj": f"{n}_proj.weight" for n in "qkvo"}
-    if spec.attention_bias:
-        t.update({f"{n}_bias": f"{n}_proj.bias" for n in "qkvo"})
+    if spec.attention_bias or spec.qkv_bias:
+        t.update({f"{n}_bias": f"{n}_proj.bias" for n in ("qkvo" if spec.attention_bias else "qkv")})
     if spec.qk_norm:
         t.update(q_norm="q_norm.weight", k_norm="k_norm.weight")
     if spec.sinks:
@@ -45,37 +47,74 @@ def _mlp_prefix(spec: DecoderSpec) -> str:
     return "block_sparse_moe." if spec.model_type == "mixtral" else "mlp."
 
 
-def _take(tensors: Mapping[str, np.ndarray], name: str, cast: Callable) -> Any:
+def expected_shapes(spec: DecoderSpec, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Logical shapes ([out, in] for linears) of a layer's attention ('attn.<name>'), norms and dense MLP."""
+    M, D, H, Hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+    if spec.mla is not None:
+        m = spec.mla
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        attn = {"kv_a_proj_with_mqa": (m.kv_lora_rank + m.qk_rope_dim, M), "kv_a_layernorm": (m.kv_lora_rank,),
+                "kv_b_proj": (H * (m.qk_nope_dim + m.v_dim), m.kv_lora_rank), "o_proj": (M, H * m.v_dim)}
+        if m.q_lora_rank:
+            attn.update(q_a_proj=(m.q_lora_rank, M), q_a_layernorm=(m.q_lora_rank,), q_b_proj=(H * qk, m.q_lora_rank))
+        else:
+            attn["q_proj"] = (H * qk, M)
+    else:
+        attn = {"q_proj": (H * D, M), "k_proj": (Hkv * D, M), "v_proj": (Hkv * D, M), "o_proj": (M, H * D),
+                "q_bias": (H * D,), "k_bias": (Hkv * D,), "v_bias": (Hkv * D,), "o_bias": (M,),
+                "q_norm": (D,), "k_norm": (D,), "sinks": (H,)}
+    out = {f"attn.{k}": v for k, v in attn.items()}
+    inter = int(config.get("intermediate_size") or 0)
+    out.update({"input_layernorm": (M,), "post_attention_layernorm": (M,), "mlp.gate_proj": (inter, M),
+                "mlp.up_proj": (inter, M), "mlp.down_proj": (M, inter), "embed": (spec.vocab_size, M),
+                "norm": (M,), "lm_head": (spec.vocab_size, M)})
+    return out
+
+
+def _take(tensors: Mapping[str, np.ndarray], name: str, cast: Callable, shape: tuple[int, ...] | None = None) -> Any:
     if name not in tensors:
         raise ValueError(f"checkpoint has no tensor {name!r}")
-    return cast(np.asarray(tensors[name]))
+    value = tensors[name]
+    got = tuple(quant_weights.logical_shape(value))
+    if shape is not None and got != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {got}; the config implies {tuple(shape)}")
+    return cast(value)
 
 
 def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], spec: DecoderSpec,
-                dtype: Any = jnp.float32) -> tuple[dict, tuple]:
+                dtype: Any = jnp.float32, progress: bool | None = None) -> tuple[dict, tuple]:
     """(params, moe_configs): the model's parameter pytree and, per layer, its MoEConfig (None: dense layer).
 
-    tensors: the checkpoint by on-disk name (e.g. `safetensors_io.open_checkpoint(dir)`), read lazily.
+    tensors: the checkpoint by on-disk name (e.g. `safetensors_io.open_checkpoint(dir)`), read lazily; every
+    tensor's shape is checked against the config (ValueError naming the tensor).
+    progress: a per-layer progress bar (None: only when stderr is a terminal).
     """
-    cast = lambda a: jnp.asarray(a, dtype)
+    disable = None if progress is None else not progress  # tqdm: None = off unless stderr is a terminal
+    from tqdm.auto import tqdm
+
+    cast = lambda a: quant_weights.to_jax(a, dtype)  # quantized containers keep their packed dtypes
     attn = attention_table(spec)
+    shapes = expected_shapes(spec, config)
     layers, moe_configs = [], []
-    for i in range(spec.num_layers):
+    bar = tqdm(range(spec.num_layers), desc="loading layers", unit="layer", disable=disable)
+    for i in bar:
         p = f"model.layers.{i}."
-        layer = {"attn": {k: _take(tensors, p + "self_attn." + v, cast) for k, v in attn.items()},
-                 "input_layernorm": _take(tensors, p + "input_layernorm.weight", cast),
-                 "post_attention_layernorm": _take(tensors, p + "post_attention_layernorm.weight", cast)}
+        layer = {"attn": {k: _take(tensors, p + "self_attn." + v, cast, shapes[f"attn.{k}"]) for k, v in attn.items()},
+                 "input_layernorm": _take(tensors, p + "input_layernorm.weight", cast, shapes["input_layernorm"]),
+                 "post_attention_layernorm": _take(tensors, p + "post_attention_layernorm.weight", cast,
+                                                   shapes["post_attention_layernorm"])}
         if spec.ffn[i] == "moe":
             moe_config, layer["moe"] = hf_moe_block(tensors, config, i, capacity_factor=0.0,
                                                     dtype=jnp.dtype(dtype).name)
             moe_configs.append(moe_config)
         else:
             mp = p + _mlp_prefix(spec)
-            layer["mlp"] = {k: _take(tensors, f"{mp}{k}.weight", cast) for k in ("gate_proj", "up_proj", "down_proj")}
+            layer["mlp"] = {k: _take(tensors, f"{mp}{k}.weight", cast, shapes[f"mlp.{k}"])
+                            for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)
         layers.append(layer)
-    params = {"embed": _take(tensors, "model.embed_tokens.weight", cast), "layers": layers,
-              "norm": _take(tensors, "model.norm.weight", cast)}
+    params = {"embed": _take(tensors, "model.embed_tokens.weight", cast, shapes["embed"]), "layers": layers,
+              "norm": _take(tensors, "model.norm.weight", cast, shapes["norm"])}
     if not spec.tie_word_embeddings:  # tied: forward uses params["embed"]
-        params["lm_head"] = _take(tensors, "lm_head.weight", cast)
+        params["lm_head"] = _take(tensors, "lm_head.weight", cast, shapes["lm_head"])
     return params, tuple(moe_configs)

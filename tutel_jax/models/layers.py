@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import quant_weights
+
 __all__ = ["rms_norm", "linear", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
 
@@ -27,9 +29,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * h.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w[out, in].T (+ b [out]) -> [..., out]."""
-    y = jnp.einsum("...i,oi->...o", x, w)
+def linear(x: jax.Array, w: Any, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w[out, in].T (+ b [out]) -> [..., out]; w may be a quantized container (dequantized
+    inside the matmul, see `tutel_jax.quant_weights`)."""
+    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
 

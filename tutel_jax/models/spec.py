@@ -12,7 +12,7 @@ from .layers import rope_inv_freq
 
 __all__ = ["FAMILIES", "MLASpec", "DecoderSpec", "spec_from_config"]
 
-FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,8 @@ class DecoderSpec:
     windows: tuple[int | None, ...]
     ffn: tuple[str, ...]
     qk_norm: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v/o biases (GPT-OSS)
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2-MoE)
     sinks: bool = False
     tie_word_embeddings: bool = False
     mla: MLASpec | None = None
@@ -106,4 +107,5 @@ def spec_from_config(config: Mapping[str, Any]) -> DecoderSpec:
         attention_factor=attention_factor, windows=_windows(config, n),
         ffn=tuple("moe" if i in moe else "dense" for i in range(n)),
         qk_norm=kind == "qwen3_moe", attention_bias=bool(config.get("attention_bias", False)),
+        qkv_bias=kind == "qwen2_moe" and bool(config.get("qkv_bias", True)),
         sinks=kind == "gpt_oss", tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), mla=mla)

@@ -1,0 +1,104 @@
+"""Weights kept quantized in memory (FP8 block, MXFP4, NVFP4) and the matmuls that dequantize inside.
+
+A quantized weight is one of `pallas_kernels.quant`'s containers (`Fp8BlockWeight`, `Mxfp4Weight`,
+`Nvfp4Weight`), a pytree of its packed arrays in the HF layout [..., out, in]. Layers that accept one:
+
+  dense(x [..., in], w [out, in])                     -> [..., out]   (attention / dense MLP projections)
+  grouped(x [T, in], w [E, out, in], group_sizes [E]) -> [T, out]     (MoE experts, rows sorted by expert)
+  batched(x [E, C, in], w [E, out, in])               -> [E, C, out]  (MoE capacity buffers)
+
+`implementation` follows `pallas_kernels`: "auto" runs the dequantizing Pallas kernel on a GPU and the XLA
+reference (dequantize in float32, then matmul) elsewhere; "xla", "pallas" or "interpret" force one. Plain
+arrays go through the same functions as ordinary matmuls, so callers need not branch. Quantized weights are
+for inference: the kernels have no VJP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FORMATS", "is_quantized", "check_format", "dense", "grouped", "batched", "dequantize", "quantize",
+           "to_jax", "stack", "logical_shape", "resident_bytes"]
+
+FORMATS = ("fp8_block", "mxfp4", "nvfp4")
+
+
+def is_quantized(w: Any) -> bool:
+    """True for a quantized-weight container (duck-typed: a `format` string and `dequantize`; jax.Array has a
+    non-string `format` attribute)."""
+    fmt = getattr(w, "format", None)
+    return isinstance(fmt, str) and fmt in FORMATS and callable(getattr(w, "dequantize", None))
+
+
+def check_format(weight_format: str | None, what: str = "weight_format") -> str | None:
+    if weight_format is not None and weight_format not in FORMATS:
+        raise ValueError(f"{what} must be None or one of {FORMATS}, got {weight_format!r}")
+    return weight_format
+
+
+def _impl(implementation: str | None) -> str:
+    return "auto" if implementation is None else implementation
+
+
+def dense(x: jax.Array, w: Any, implementation: str | None = "auto") -> jax.Array:
+    """x [..., in] @ w[out, in].T -> [..., out] in x's dtype; w a plain array or a quantized container."""
+    if not is_quantized(w):
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+    from pallas_kernels import quant_matmul  # lazy: only quantized models need the kernels package
+    lead = x.shape[:-1]
+    y = quant_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype=x.dtype, implementation=_impl(implementation))
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grouped(x: jax.Array, w: Any, group_sizes: jax.Array, implementation: str | None = "auto") -> jax.Array:
+    """x [T, in] with rows sorted by expert, w [E, out, in] -> [T, out] (rows past sum(group_sizes): zeros)."""
+    if not is_quantized(w):
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes)
+    from pallas_kernels import quant_gmm
+    return quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype, implementation=_impl(implementation))
+
+
+def batched(x: jax.Array, w: Any) -> jax.Array:
+    """x [E, C, in] @ w[E, out, in] per expert -> [E, C, out] (the capacity path dequantizes in XLA)."""
+    full = dequantize(w, x.dtype) if is_quantized(w) else w.astype(x.dtype)
+    return jnp.einsum("eci,eoi->eco", x, full)
+
+
+def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
+    """The float tensor [..., out, in] a container stands for (exact float32 values, then cast)."""
+    return w.dequantize().astype(dtype) if is_quantized(w) else jnp.asarray(w, dtype)
+
+
+def quantize(w: jax.Array, weight_format: str) -> Any:
+    """float w [..., out, in] -> the container of `weight_format` (round to nearest; for tests and random init)."""
+    import pallas_kernels
+    check_format(weight_format)
+    fn = {"fp8_block": pallas_kernels.quantize_fp8_block, "mxfp4": pallas_kernels.quantize_mxfp4,
+          "nvfp4": pallas_kernels.quantize_nvfp4}[weight_format]
+    return fn(w)
+
+
+def to_jax(a: Any, dtype: Any) -> Any:
+    """A checkpoint value on the default device: arrays cast to `dtype`, containers with their packed dtypes."""
+    if is_quantized(a):
+        return jax.tree_util.tree_map(jnp.asarray, a)
+    return jnp.asarray(a, dtype)
+
+
+def stack(values: list) -> Any:
+    """Stacks per-expert arrays, or per-expert containers field by field, on a new leading axis (NumPy)."""
+    import numpy as np
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values)
+
+
+def logical_shape(w: Any) -> tuple[int, ...]:
+    """[..., out, in] of a container, or the array's shape."""
+    return tuple(w.shape)
+
+
+def resident_bytes(tree: Any) -> int:
+    """Bytes held by the arrays of a pytree (containers count their packed arrays and scales)."""
+    return int(sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree)))
