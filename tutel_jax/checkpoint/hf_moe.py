@@ -15,9 +15,10 @@ stay packed (experts `weight_format`, see `experts_quant`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from .. import quant_weights
@@ -98,7 +99,8 @@ def _shared_experts(tensors, prefix: str, hidden: int, gate_name: str | None = N
 
 
 def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int | None = None, *,
-                 capacity_factor: float = 0.0, dtype: Any = "float32", **config_kwargs: Any):
+                 capacity_factor: float = 0.0, dtype: Any = "float32", place: Callable | None = None,
+                 **config_kwargs: Any):
     """(MoEConfig, params) for the MoE block of decoder layer `layer` (default: the last MoE layer).
 
     Args:
@@ -107,6 +109,8 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
       layer: decoder layer index; must hold an MoE block.
       capacity_factor: the gate's default (0: dropless, as in HF).
       dtype: the layer's dtype.
+      place: `place(part, value, dtype) -> array` puts one checked tensor (part: 'gates', 'experts' or
+        'shared_experts'; value: NumPy array or quantized container) on devices; default: the default device.
       config_kwargs: more `make_config` arguments (e.g. dropless_impl).
     """
     import jax.numpy as jnp
@@ -169,14 +173,18 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
         experts["weight_format"] = _format_of([expert_params["gate_up_proj"], expert_params["down_proj"]],
                                               p + "experts")
     moe_config = make_config(gate, model_dim, experts, dtype=dtype, **config_kwargs)
-    cast = lambda a: quant_weights.to_jax(a, moe_config.dtype)
-    params = {"gates": [{name: (jnp.asarray(v, jnp.float32) if name == "e_score_correction_bias" else
-                                jnp.asarray(v, jnp.float32 if moe_config.gates[0].fp32_gate else moe_config.dtype))
-                         for name, v in gate_params.items()}],
-              "experts": {name: cast(v) for name, v in expert_params.items()}}
+    raw = {"gates": [gate_params], "experts": expert_params}
     if shared_params is not None:
-        params["shared_experts"] = jax_tree_map(cast, shared_params)
-    _check_against_template(moe_config, params)
+        raw["shared_experts"] = shared_params
+    _check_against_template(moe_config, raw)  # before anything is put on a device
+    fp32_gate = moe_config.gates[0].fp32_gate
+    gate_dtype = lambda name: np.float32 if name == "e_score_correction_bias" or fp32_gate else moe_config.dtype
+    place = place or (lambda part, value, dt: quant_weights.to_jax(value, dt))
+    params = {"gates": [{n: place("gates", v, gate_dtype(n)) for n, v in gate_params.items()}],
+              "experts": {n: place("experts", v, moe_config.dtype) for n, v in expert_params.items()}}
+    if shared_params is not None:
+        params["shared_experts"] = jax_tree_map(lambda v: place("shared_experts", v, moe_config.dtype),
+                                                shared_params)
     return moe_config, params
 
 

@@ -26,6 +26,7 @@ from ..layer import moe_apply, route
 from .attention import cache_dims, gqa_attention, mla_attention
 from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
 from .hf_tables import load_params
+from .placement import MeshPlacement
 from .layers import AttnContext, linear, rms_norm, rope_cos_sin, swiglu_mlp
 from .spec import DecoderSpec, spec_from_config
 
@@ -123,12 +124,15 @@ class CausalLM:
 
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
-                    progress: bool | None = None) -> CausalLM:
+                    progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert") -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
     weights packed in memory (`dequant.QuantizedTensors`); the matmuls dequantize (`tutel_jax.quant_weights`).
     `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
+    With a `mesh` (jax.sharding.Mesh), the routed experts are split over its `expert_axis` and each device
+    receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
+    weights are replicated; the forward runs under XLA's SPMD partitioner.
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
@@ -155,7 +159,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
             source = QuantizedTensors(ckpt, config)
             if dequantize or not source.fp8_block_supported():
                 source = DequantizedTensors(ckpt, config)
-        params, moe_configs = load_params(source, config, spec, dtype, progress=progress)
+        place = None if mesh is None else MeshPlacement(mesh, expert_axis)
+        params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place)
     finally:
         if tensors is None:
             ckpt.close()

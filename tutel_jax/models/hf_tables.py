@@ -82,17 +82,21 @@ def _take(tensors: Mapping[str, np.ndarray], name: str, cast: Callable, shape: t
 
 
 def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], spec: DecoderSpec,
-                dtype: Any = jnp.float32, progress: bool | None = None) -> tuple[dict, tuple]:
+                dtype: Any = jnp.float32, progress: bool | None = None,
+                place: Callable | None = None) -> tuple[dict, tuple]:
     """(params, moe_configs): the model's parameter pytree and, per layer, its MoEConfig (None: dense layer).
 
     tensors: the checkpoint by on-disk name (e.g. `safetensors_io.open_checkpoint(dir)`), read lazily; every
     tensor's shape is checked against the config (ValueError naming the tensor).
     progress: a per-layer progress bar (None: only when stderr is a terminal).
+    place: `place(part, value, dtype)` puts each tensor on devices as it is read (`placement.MeshPlacement`;
+      part 'dense' or the MoE block's 'gates' / 'experts' / 'shared_experts'); default: the default device.
     """
     disable = None if progress is None else not progress  # tqdm: None = off unless stderr is a terminal
     from tqdm.auto import tqdm
 
-    cast = lambda a: quant_weights.to_jax(a, dtype)  # quantized containers keep their packed dtypes
+    place = place or (lambda part, value, dt: quant_weights.to_jax(value, dt))  # containers keep packed dtypes
+    cast = lambda a: place("dense", a, dtype)
     attn = attention_table(spec)
     shapes = expected_shapes(spec, config)
     layers, moe_configs = [], []
@@ -105,7 +109,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
                                                    shapes["post_attention_layernorm"])}
         if spec.ffn[i] == "moe":
             moe_config, layer["moe"] = hf_moe_block(tensors, config, i, capacity_factor=0.0,
-                                                    dtype=jnp.dtype(dtype).name)
+                                                    dtype=jnp.dtype(dtype).name, place=place)
             moe_configs.append(moe_config)
         else:
             mp = p + _mlp_prefix(spec)
