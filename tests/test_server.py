@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,19 +108,52 @@ def test_greedy_matches_generate(client, model):
     assert c.token_ids == ref and c.finish_reason == "length" and c.text == ""
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
 
-    # streaming: one chunk per token, then a finish chunk, then [DONE] (the client stops on it)
-    toks, reasons = [], []
-    for chunk in client.completions.create(model="qwen3_moe", prompt=prompt, max_tokens=8, temperature=0,
-                                           stream=True):
-        ch = chunk.choices[0]
-        toks += ch.token_ids
-        reasons.append(ch.finish_reason)
-    assert toks == ref and reasons[-1] == "length" and reasons[:-1] == [None] * 8
+    # streaming: one chunk per token (as it is produced), then a finish chunk, then [DONE] (the client stops on it)
+    chunks = [c.choices[0] for c in client.completions.create(model="qwen3_moe", prompt=prompt, max_tokens=8,
+                                                              temperature=0, stream=True)]
+    assert [c.token_ids for c in chunks] == [[t] for t in ref] + [[]]
+    assert [c.finish_reason for c in chunks] == [None] * 8 + ["length"]
 
-    # stop token ids: cut before the first stop token
+    # stop token ids: cut before the first stop token; streamed, the stop token gets no chunk
     r = client.completions.create(model="qwen3_moe", prompt=prompt, max_tokens=8, temperature=0, stop=[ref[3]])
     cut = ref[:ref.index(ref[3])]
     assert r.choices[0].token_ids == cut and r.choices[0].finish_reason == "stop"
+    chunks = [c.choices[0] for c in client.completions.create(model="qwen3_moe", prompt=prompt, max_tokens=8,
+                                                              temperature=0, stop=[ref[3]], stream=True)]
+    assert [c.token_ids for c in chunks] == [[t] for t in cut] + [[]] and chunks[-1].finish_reason == "stop"
+
+
+def test_short_streamed_request_finishes_before_a_long_one_in_its_batch(server, client, model):
+    """A short and a long streamed request batched together: the short one's last chunk and [DONE] come when
+    it is done, while the long one is still generating."""
+    short_p, long_p = [3, 1, 4], [5, 17, 99]
+    ref_long, ref_short = _offline(model, [long_p, short_p], 100)
+    ref_short = ref_short[:2]
+
+    def ask(prompt, max_tokens, barrier):
+        """(time of the end of the stream, tokens, arrival time of each token's chunk)."""
+        barrier.wait()  # send both at once: the worker gathers them into one batch
+        toks, arrivals = [], []
+        for c in client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True):
+            toks += c.choices[0].token_ids
+            arrivals += [time.monotonic()] * len(c.choices[0].token_ids)
+        return time.monotonic(), toks, arrivals
+
+    for _ in range(3):  # two requests sent together almost always share a batch; retry if they did not
+        before = httpx.get(server + "/health").json()["batches_run"]
+        barrier = threading.Barrier(2)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            long_f, short_f = ex.submit(ask, long_p, 100, barrier), ex.submit(ask, short_p, 2, barrier)
+            (t_long, toks_long, arrivals), (t_short, toks_short, _) = long_f.result(), short_f.result()
+        if httpx.get(server + "/health").json()["batches_run"] - before == 1:
+            break
+    else:
+        pytest.fail("the two concurrent requests never shared a batch")
+    assert toks_short == ref_short and toks_long == ref_long
+    assert t_short < t_long
+    # the long one was still streaming when the short one ended (not answered together at the batch's end)
+    assert sum(a <= t_short for a in arrivals) < 100
 
 
 def test_multiple_prompts_n_and_seed(client, model):
@@ -252,19 +286,79 @@ def test_text_prompts_stop_strings_and_chat_with_a_tokenizer(tmp_path, model):
                                             "stop": [stop]}).json()
         c = r["choices"][0]
         assert c["text"] == ref_text[:ref_text.index(stop)] and c["finish_reason"] == "stop"
-        with h.stream("POST", "/v1/completions", json={"prompt": "t5 t17 t99", "max_tokens": 6, "temperature": 0,
-                                                       "stream": True}) as s:
-            lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
-        assert lines[-1] == "[DONE]"
-        assert "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1]) == ref_text
+        # streamed with the stop string: text that may become the stop string is held back, then cut
+        chunks = _stream(h, "/v1/completions", {"prompt": ["t5 t17 t99"], "max_tokens": 6, "temperature": 0,
+                                                "stop": [stop], "stream": True})
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == c["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        # one chunk per token, each carrying that token's text
+        chunks = _stream(h, "/v1/completions", {"prompt": "t5 t17 t99", "max_tokens": 6, "temperature": 0,
+                                                "stream": True})
+        assert [ch["choices"][0]["token_ids"] for ch in chunks] == [[t] for t in ref] + [[]]
+        assert [ch["choices"][0]["text"] for ch in chunks] == [f"{' ' if k else ''}t{t}" for k, t in enumerate(ref)] \
+            + [""]
         r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5 t17"},
                                                               {"role": "user", "content": "t99"}],
                                                  "max_tokens": 6, "temperature": 0}).json()
         assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant",
                                                                                    "content": ref_text}
-        with h.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5 t17 t99"}],
-                                                            "max_tokens": 6, "temperature": 0, "stream": True}) as s:
-            chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        chunks = _stream(h, "/v1/chat/completions", {"messages": [{"role": "user", "content": "t5 t17 t99"}],
+                                                     "max_tokens": 6, "temperature": 0, "stream": True})
         assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [ch["choices"][0]["token_ids"] for ch in chunks[1:]] == [[t] for t in ref] + [[]]
         assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == ref_text
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _stream(h, url: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response (checking that it ends with [DONE])."""
+    with h.stream("POST", url, json=body) as s:
+        lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def _byte_level_tokenizer():
+    """A byte-level tokenizer for the fixture's 128 ids: ids 0-63 are UTF-8 continuation bytes, 64-93 lead bytes of
+    two-byte characters, 94-127 ASCII letters; a lead token followed by a continuation token is one character."""
+    import tokenizers
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}  # byte-level alphabet
+
+    def byte(i):
+        return 0x80 + i if i < 64 else 0xC2 + i - 64 if i < 94 else 0x41 + i - 94
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE({char[byte(i)]: i for i in range(128)}, []))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return tok, byte
+
+
+def test_streamed_text_of_characters_split_over_tokens(tmp_path, model):
+    """Streamed text deltas decode the whole sequence: a two-byte character split over two tokens arrives whole,
+    and the deltas add up to the non-streamed text."""
+    pytest.importorskip("tokenizers")
+    from fastapi.testclient import TestClient
+
+    from tutel_jax.serving.server import ServerConfig, create_app
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).symlink_to(FIXTURE / f)
+    tok, byte = _byte_level_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    prompt = [5, 17, 99]
+    ref = _offline(model, [prompt], 8)[0]
+    pairs = [k for k in range(7) if 0xC2 <= byte(ref[k]) < 0xE0 and byte(ref[k + 1]) < 0xC0]
+    assert pairs, f"the reference {ref} has no lead+continuation pair: pick another prompt"
+    full = tok.decode(ref)
+    with TestClient(create_app(tmp_path, ServerConfig(), model=model, warmup=False)) as h:
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == full
+        chunks = _stream(h, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                "stream": True})
+    assert [ch["choices"][0]["token_ids"] for ch in chunks] == [[t] for t in ref] + [[]]
+    texts = [ch["choices"][0]["text"] for ch in chunks]
+    assert "".join(texts) == full
+    k = pairs[0]  # the character completed by token k + 1 arrives whole with it
+    assert bytes([byte(ref[k]), byte(ref[k + 1])]).decode() in texts[k + 1]

@@ -6,12 +6,18 @@ every attention, so a row's result equals that prompt run alone. The cache lengt
 (prompt columns + max_new_tokens, rounded up to `cache_multiple`), so the decode step compiles once.
 
 Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p.
+
+A row finishes after it emits a stop token (`stop_token_ids` / `eos_token_id`) or reaches its own
+`max_new_tokens_per_row`; its later positions hold pad_token_id. The host loop ends as soon as every row has
+finished (or a `stream_callback` asks it to), so finished batches run no further decode steps; the result
+arrays keep their [B, max_new_tokens] shape either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,14 +31,17 @@ __all__ = ["GenerationResult", "generate", "left_align", "sample_next"]
 
 @dataclasses.dataclass
 class GenerationResult:
-    """tokens [B, max_new_tokens] int32: the new tokens (after a row's `eos_token_id`, pad_token_id);
+    """tokens [B, max_new_tokens] int32: the new tokens (after a row finished, pad_token_id);
     sequences [B, T + max_new_tokens]: each prompt (left-padded with pad_token_id) followed by its tokens;
-    prompt_lengths [B]; logits [B, max_new_tokens, V] float32 of every step when requested."""
+    prompt_lengths [B]; logits [B, max_new_tokens, V] float32 of every step when requested (NaN for the steps
+    an early stop skipped); completion_lengths [B]: how many tokens each row produced (its stop token included;
+    the positions after them are padding)."""
 
     tokens: np.ndarray
     sequences: np.ndarray
     prompt_lengths: np.ndarray
     logits: np.ndarray | None = None
+    completion_lengths: np.ndarray | None = None
 
 
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray | None, pad_token_id: int = 0):
@@ -114,28 +123,85 @@ def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, ke
             jnp.concatenate([last[:, None], jnp.swapaxes(lasts, 0, 1)], axis=1))
 
 
+StreamCallback = Callable[[int, np.ndarray], Any]
+
+
+def _stop_ids(eos_token_id: int | None, stop_token_ids: int | Sequence[int] | None) -> np.ndarray:
+    """The stop tokens [S] int32: `stop_token_ids` (an int or a sequence) plus the `eos_token_id` alias."""
+    if stop_token_ids is None:
+        ids = []
+    elif np.ndim(stop_token_ids) == 0:
+        ids = [int(stop_token_ids)]
+    else:
+        ids = [int(t) for t in stop_token_ids]
+    if eos_token_id is not None:
+        ids.append(eos_token_id)
+    return np.unique(np.asarray(ids, np.int64)).astype(np.int32)
+
+
+def _row_limits(per_row, B: int, max_new_tokens: int) -> np.ndarray:
+    """Each row's token budget [B] int: `max_new_tokens_per_row` checked against [1, max_new_tokens]."""
+    if per_row is None:
+        return np.full(B, max_new_tokens, np.int64)
+    limits = np.asarray(per_row, np.int64).reshape(-1)
+    if limits.shape != (B,):
+        raise ValueError(f"max_new_tokens_per_row needs one value per row ({B}), got shape {np.shape(per_row)}")
+    if (limits < 1).any() or (limits > max_new_tokens).any():
+        raise ValueError(f"max_new_tokens_per_row values must be in [1, max_new_tokens={max_new_tokens}]")
+    return limits
+
+
+def _mask_finished(raw: np.ndarray, stops: np.ndarray, limits: np.ndarray, pad_token_id: int):
+    """(tokens [B, N], completion_lengths [B]) from the raw tokens [B, N]: positions after a row's first stop
+    token or past its limit become pad_token_id."""
+    N = raw.shape[1]
+    hit = np.isin(raw, stops) | (np.arange(N)[None, :] + 1 >= limits[:, None])
+    after = np.cumsum(hit, axis=1) - hit > 0  # strictly after the first hit
+    return np.where(after, pad_token_id, raw).astype(np.int32), (~after).sum(axis=1)
+
+
+def _wants_stop(ret: Any) -> bool:
+    """A callback's early-stop request: only an actual True (a callback returning e.g. a list does not stop)."""
+    return isinstance(ret, (bool, np.bool_)) and bool(ret)
+
+
 def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None, pad_token_id: int = 0,
              eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, cache_multiple: int = 16,
-             return_logits: bool = False, on_device: bool = False) -> GenerationResult:
-    """Generates max_new_tokens tokens after each prompt.
+             return_logits: bool = False, on_device: bool = False,
+             stop_token_ids: int | Sequence[int] | None = None, max_new_tokens_per_row=None,
+             stream_callback: StreamCallback | None = None) -> GenerationResult:
+    """Generates up to max_new_tokens tokens after each prompt.
 
     Args:
       model: a `tutel_jax.models.CausalLM` (anything with `.params`, `.init_cache(B, L)` and a pure, hashable
         `.forward_fn(params, ids, ctx, cache) -> (logits, cache)`).
       input_ids: [B, T] int prompts; attention_mask [B, T] (1 = token) for prompts of different lengths,
         left or right padded.
-      eos_token_id: rows that produced it keep emitting pad_token_id (all steps still run: static shapes).
+      eos_token_id: a stop token (an alias kept for `stop_token_ids=eos_token_id`; both may be given).
       temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
       cache_multiple: the static cache length is rounded up to a multiple of it (fewer recompiles).
-      return_logits: also return every step's logits [B, max_new_tokens, V].
+      return_logits: also return every step's logits [B, max_new_tokens, V] (NaN for steps not run).
       on_device: run prefill and all decode steps as one compiled program (lax.scan; no per-token dispatch,
-        one compile per max_new_tokens) instead of a host loop over a jitted decode step.
+        one compile per max_new_tokens) instead of a host loop over a jitted decode step. All steps run (stop
+        tokens and row limits only pad the result); incompatible with `stream_callback`.
+      stop_token_ids: an int or a sequence of ints; a row that emits one keeps it and is finished.
+      max_new_tokens_per_row: [B] ints in [1, max_new_tokens]; a row is finished after that many tokens.
+      stream_callback: `fn(step, tokens)` called in the host loop right after step `step` (0: the prefill)
+        with that step's tokens [B] int32 as NumPy (pad_token_id for rows finished at an earlier step), i.e.
+        column `step` of the result. Returning True (a bool) stops every row after this step.
+
+    The host loop stops early once every row has finished; the same arguments give the same tokens whether or
+    not it stops early, and with or without a callback (the sampling keys depend only on seed and step).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if on_device and stream_callback is not None:
+        raise ValueError("stream_callback needs the host loop (one dispatch per step): use on_device=False")
     ids, _, lengths = left_align(input_ids, attention_mask, pad_token_id)
     B, T = ids.shape
+    stops = _stop_ids(eos_token_id, stop_token_ids)
+    limits = _row_limits(max_new_tokens_per_row, B, max_new_tokens)
     L = -(-(T + max_new_tokens) // cache_multiple) * cache_multiple
     pad = jnp.asarray(T - lengths, jnp.int32)
     key_valid = jnp.arange(L)[None, :] >= pad[:, None]  # padding slots; unwritten slots are masked causally
@@ -147,19 +213,60 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     if on_device:
         tokens, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache, keys,
                                              sampling)
+        raw, logits = np.asarray(tokens, np.int32), (np.asarray(logits) if return_logits else None)
     else:
-        tok, last, cache = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling)
-        toks, lasts = [tok], [last]
-        for i in range(1, max_new_tokens):
-            tok, last, cache = _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad,
-                                       key_valid, cache, keys[i], sampling)
-            toks.append(tok)
-            lasts.append(last)
-        tokens, logits = jnp.stack(toks, axis=1), jnp.stack(lasts, axis=1)
-    tokens = np.asarray(tokens, np.int32)
-    if eos_token_id is not None:
-        done = np.cumsum(tokens == eos_token_id, axis=1) - (tokens == eos_token_id) > 0
-        tokens = np.where(done, pad_token_id, tokens)
-    logits = np.asarray(logits) if return_logits else None
+        def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
+            return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad, key_valid, cache,
+                           keys[i], sampling)
+
+        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling)
+        if stream_callback is None and len(stops) == 0 and max_new_tokens_per_row is None:
+            raw, logits = _run_all(step, first, max_new_tokens, return_logits)
+        else:
+            raw, logits, steps_run = _run_until_finished(step, first, max_new_tokens, stops, limits, pad_token_id,
+                                                         stream_callback, return_logits)
+            limits = np.minimum(limits, steps_run)  # the columns not run are padding
+    tokens, completion_lengths = _mask_finished(raw, stops, limits, pad_token_id)
     return GenerationResult(tokens=tokens, sequences=np.concatenate([ids, tokens], axis=1).astype(np.int32),
-                            prompt_lengths=lengths, logits=logits)
+                            prompt_lengths=lengths, logits=logits, completion_lengths=completion_lengths)
+
+
+def _run_all(step, first, N: int, return_logits: bool):
+    """All N steps (prefill result `first` = (tokens, logits, cache), then N - 1 decode steps), dispatched
+    without waiting for the host: (raw tokens [B, N], logits [B, N, V] or None)."""
+    tok, last, cache = first
+    toks, lasts = [tok], [last]
+    for i in range(1, N):
+        tok, last, cache = step(tok, i, cache)
+        toks.append(tok)
+        lasts.append(last)
+    logits = np.asarray(jnp.stack(lasts, axis=1)) if return_logits else None
+    return np.asarray(jnp.stack(toks, axis=1), np.int32), logits
+
+
+def _run_until_finished(step, first, N: int, stops: np.ndarray, limits: np.ndarray, pad_token_id: int,
+                        callback: StreamCallback | None, return_logits: bool):
+    """Steps until every row has finished or the callback asks to stop (each step's tokens are read back to
+    the host): (raw tokens [B, N] with pad_token_id in the columns not run, logits or None, steps run)."""
+    tok, last, cache = first
+    B = tok.shape[0]
+    raw = np.full((B, N), pad_token_id, np.int32)
+    finished = np.zeros(B, bool)
+    lasts = []
+    for i in range(N):
+        if i > 0:
+            tok, last, cache = step(tok, i, cache)
+        raw[:, i] = np.asarray(tok)
+        if return_logits:
+            lasts.append(last)
+        shown = np.where(finished, pad_token_id, raw[:, i]).astype(np.int32)
+        finished |= np.isin(raw[:, i], stops) | (i + 1 >= limits)
+        stop = callback is not None and _wants_stop(callback(i, shown))
+        if stop or finished.all():
+            break
+    logits = None
+    if return_logits:
+        done = np.asarray(jnp.stack(lasts, axis=1))
+        logits = np.full((B, N) + done.shape[2:], np.nan, done.dtype)
+        logits[:, :done.shape[1]] = done
+    return raw, logits, i + 1

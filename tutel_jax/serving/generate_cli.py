@@ -1,10 +1,14 @@
-"""Generate tokens from an HF MoE checkpoint (token ids in, token ids out; no tokenizer).
+"""Generate from an HF MoE checkpoint: token-id prompts (--ids) or text prompts (--prompt, decoded with the
+checkpoint's tokenizer.json through the `tokenizers` package).
 
     tutel-jax generate tests/fixtures/hf/qwen3_moe --ids 5,17,42,7 --ids 9,3 --max-new-tokens 8
+    tutel-jax generate CHECKPOINT --prompt "The capital of France is" --eos --stream
     python examples/generate.py tests/fixtures/hf/gpt_oss --ids 1,2,3 --temperature 0.8 --top-p 0.9 --seed 1
 
-Prompts of different lengths are batched with padding. Prints each prompt's new tokens and the throughput of a
-second, already compiled run (the first run's time includes compilation).
+Prompts of different lengths are batched with padding. Prints each prompt's new tokens (or text) and the
+throughput of a second, already compiled run (the first run's time includes compilation). --stream prints the
+first run's tokens as they are produced: a single prompt as running text (or ids), several prompts as one line
+per step.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -20,51 +25,137 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--ids takes comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not ids:
-        raise argparse.ArgumentTypeError("--ids needs at least one token id")
+        raise argparse.ArgumentTypeError("needs at least one token id")
     return ids
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors)")
-    ap.add_argument("--ids", type=_parse_ids, action="append", required=True,
-                    help="comma-separated prompt token ids; repeat for a batch")
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tutel-jax generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", type=_parse_ids, action="append",
+                     help="comma-separated prompt token ids; repeat for a batch")
+    src.add_argument("--prompt", action="append",
+                     help="a text prompt (needs tokenizer.json in the checkpoint); repeat for a batch")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop-token-ids", type=_parse_ids, default=None,
+                    help="comma-separated token ids that end a prompt's completion")
+    ap.add_argument("--eos", action="store_true",
+                    help="also stop at the checkpoint's eos_token_id(s) (config.json, generation_config.json)")
+    ap.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     ap.add_argument("--on-device", action="store_true", help="all decode steps in one compiled lax.scan")
+    return ap
+
+
+class StreamPrinter:
+    """A `generate` stream_callback that prints each step's new tokens: running text (or ids) for one prompt,
+    one line per step (`step i: [row] piece ...`) for several. A row's stop token ends it and is not shown."""
+
+    def __init__(self, rows: int, stops: set[int], tokenizer: Any = None, out: TextIO | None = None):
+        from .tokenizer import IncrementalDecoder
+        self.stops, self.out = stops, out if out is not None else sys.stdout
+        self.finished = np.zeros(rows, bool)
+        self.decoders = [IncrementalDecoder(tokenizer) for _ in range(rows)] if tokenizer is not None else None
+
+    def _piece(self, b: int, token: int) -> str:
+        if token in self.stops:
+            self.finished[b] = True
+            return self.decoders[b].rest() if self.decoders else ""
+        if self.decoders:
+            return self.decoders[b].push(token)
+        return f"{token} "
+
+    def __call__(self, step: int, tokens: np.ndarray) -> None:
+        pieces = {b: self._piece(b, t) for b, t in enumerate(tokens.tolist()) if not self.finished[b]}
+        if len(self.finished) == 1:
+            self.out.write(pieces.get(0, ""))
+        else:
+            self.out.write(f"step {step}: " + "  ".join(f"[{b}] {p!r}" for b, p in pieces.items()) + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        """Prints what the decoders held back (a single prompt: then ends its line)."""
+        if len(self.finished) == 1:
+            rest = self.decoders[0].rest() if self.decoders and not self.finished[0] else ""
+            self.out.write(rest + "\n")
+            self.out.flush()
+
+
+def _text_prompts(checkpoint: str, prompts: list[str]):
+    """(tokenizer, prompt ids) of text prompts; raises ValueError/FileNotFoundError/ImportError with a message."""
+    from .tokenizer import encode, load_tokenizer
+    tok = load_tokenizer(checkpoint)
+    ids = [encode(tok, p) for p in prompts]
+    for b, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {b} ({prompts[b]!r}) encodes to no tokens")
+    return tok, ids
+
+
+def _batch(prompts: list[list[int]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, T], attention_mask [B, T]) of right-padded prompts; ValueError for ids outside the vocabulary."""
+    T = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), T), np.int32)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {b} has token ids outside [0, {vocab})")
+        ids[b, :len(p)], mask[b, :len(p)] = p, 1
+    return ids, mask
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.stream and args.on_device:
+        ap.error("--stream needs the host loop (one dispatch per step): drop --on-device")
+    tokenizer, prompts = None, args.ids
+    if args.prompt is not None:
+        try:
+            tokenizer, prompts = _text_prompts(args.checkpoint, args.prompt)
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     from tutel_jax.models import from_pretrained
     from tutel_jax.serving import generate
+    from tutel_jax.serving.tokenizer import eos_token_ids
 
     model = from_pretrained(args.checkpoint)
-    vocab = model.spec.vocab_size
-    T = max(len(p) for p in args.ids)
-    ids = np.zeros((len(args.ids), T), np.int32)
-    mask = np.zeros_like(ids)
-    for b, p in enumerate(args.ids):
-        if min(p) < 0 or max(p) >= vocab:
-            print(f"error: prompt {b} has token ids outside [0, {vocab})", file=sys.stderr)
-            return 2
-        ids[b, :len(p)], mask[b, :len(p)] = p, 1
-    kw = dict(attention_mask=mask, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, on_device=args.on_device)
+    try:
+        ids, mask = _batch(prompts, model.spec.vocab_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stops = set(args.stop_token_ids or []) | (eos_token_ids(args.checkpoint, model.config) if args.eos else set())
+    kw = {"attention_mask": mask, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+          "seed": args.seed, "on_device": args.on_device, "stop_token_ids": sorted(stops)}
+    printer = StreamPrinter(len(prompts), stops, tokenizer) if args.stream else None
     t0 = time.perf_counter()
-    out = generate(model, ids, args.max_new_tokens, **kw)
+    out = generate(model, ids, args.max_new_tokens, stream_callback=printer, **kw)
     first = time.perf_counter() - t0
+    if printer is not None:
+        printer.close()
     t0 = time.perf_counter()
     out = generate(model, ids, args.max_new_tokens, **kw)
     steady = time.perf_counter() - t0
-    for b, p in enumerate(args.ids):
-        print(f"prompt {b}: {p} -> {out.tokens[b].tolist()}")
-    n = out.tokens.size
+    for b, p in enumerate(prompts):
+        new = out.tokens[b, :out.completion_lengths[b]].tolist()
+        if tokenizer is None:
+            print(f"prompt {b}: {p} -> {new}")
+        else:
+            text = tokenizer.decode(new[:-1] if new and new[-1] in stops else new)
+            print(f"prompt {b}: {args.prompt[b]!r} -> {text!r}")
+    n = int(out.completion_lengths.sum())
     print(f"{n} tokens: first run {first:.2f} s (with compilation), then {steady:.3f} s = {n / steady:.1f} tokens/s "
-          f"(batch {len(args.ids)}, {model.spec.model_type})")
+          f"(batch {len(prompts)}, {model.spec.model_type})")
     return 0
 
 

@@ -10,8 +10,12 @@ Choices always carry the generated ids as the extra field `token_ids` (`text` is
 Requests are queued and a background worker thread gathers up to --max_batch_size rows within --batch_wait_ms,
 groups compatible ones (greedy with greedy; sampled ones by temperature/top_p; a seeded sampled request runs
 alone so its result depends only on its seed), pads the batch (rows to a power of two, prompt columns to a
-multiple of 16: fewer recompiles) and runs one `generate` call. Streaming sends the tokens as server-sent
-events once the request's batch has finished (no per-token streaming yet).
+multiple of 16: fewer recompiles) and runs one `generate` call. The worker follows every row token by token
+(generate's stream_callback): a row is done at a stop token, a stop string or its request's max_tokens; a
+request is answered as soon as all its rows are done, and the batch stops when all its requests are.
+`stream: true` sends each token as its own server-sent event as soon as it is produced (text deltas decode the
+whole sequence so far, so multi-byte characters split over tokens come out whole; text that may still turn into
+a stop string is held back until it is decided).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .tokenizer import IncrementalDecoder, encode, eos_token_ids, load_tokenizer
 
 try:  # the `serve` extra; only the app needs it (annotations below are resolved in this module's globals)
     from fastapi import Request
@@ -80,24 +87,6 @@ def _context_length(config: dict) -> int:
     return 2048
 
 
-def _eos_ids(path: Path, config: dict) -> set[int]:
-    ids: set[int] = set()
-    sources = [config]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        try:
-            sources.append(json.loads(gen.read_text()))
-        except ValueError:
-            pass
-    for src in sources:
-        e = src.get("eos_token_id")
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, list):
-            ids.update(x for x in e if isinstance(x, int))
-    return ids
-
-
 # ----------------------------------------------------------------------------------------------------- tokenizer
 
 class TextCodec:
@@ -113,20 +102,19 @@ class TextCodec:
     def tokenizer(self):
         if not self._loaded:
             self._loaded = True
-            f = self.path / "tokenizer.json"
-            if f.is_file():
-                try:
-                    from tokenizers import Tokenizer  # optional dependency
-                    self._tok = Tokenizer.from_file(str(f))
-                except Exception as e:  # noqa: BLE001 - missing package or unreadable file
-                    log.warning("tokenizer.json not usable (%s); token-id prompts only", e)
+            try:
+                self._tok = load_tokenizer(self.path)
+            except FileNotFoundError:
+                pass  # token-id prompts only
+            except Exception as e:  # noqa: BLE001 - missing package or unreadable file
+                log.warning("tokenizer.json not usable (%s); token-id prompts only", e)
         return self._tok
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise _bad("this model has no tokenizer (no tokenizer.json or the `tokenizers` package is missing): "
                        "send the prompt as a list of token ids", "prompt", "tokenizer_unavailable")
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return encode(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(list(ids))
@@ -156,9 +144,16 @@ class TextCodec:
 
 # ----------------------------------------------------------------------------------------------------- engine
 
+Completion = tuple[list[int], str, str]  # (token ids, text, finish_reason) of one choice after stop handling
+
+
 @dataclasses.dataclass
 class Job:
-    prompts: list[list[int]]        # each repeated n times
+    """One request: its prompts (each repeated n times: one row per choice) and how its rows stop. The future
+    resolves to one Completion per row as soon as all its rows are done. Streaming requests also get
+    `on_event` calls from the worker thread: ("token", row, token_id, text_delta) for each token kept and
+    ("finish", row, text_rest, finish_reason) when a row is done, all before the future resolves."""
+    prompts: list[list[int]]
     n: int
     max_tokens: int
     temperature: float
@@ -166,6 +161,10 @@ class Job:
     seed: int | None
     future: concurrent.futures.Future
     rows: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    on_event: Callable[[tuple], None] | None = None
+    cancelled: bool = False         # the client went away: its rows are finished at the next step
 
     def bucket(self):
         if self.temperature == 0.0:
@@ -174,16 +173,74 @@ class Job:
             return ("seeded", id(self))
         return ("sample", self.temperature, self.top_p)
 
+    def emit(self, event: tuple):
+        if self.on_event is None or self.cancelled:
+            return
+        try:
+            self.on_event(event)
+        except RuntimeError:  # the request's event loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+def finish_completion(toks: list[int], stop_ids, stop_strs, codec: TextCodec | None) -> Completion:
+    """(ids, text, finish_reason) of generated ids: cut before the first stop token, then at the first stop
+    string (keeping the ids whose text stays within the cut)."""
+    decode = codec.decode if codec is not None else (lambda ids: "")
+    reason = "length"
+    for i, t in enumerate(toks):
+        if t in stop_ids:
+            toks, reason = toks[:i], "stop"
+            break
+    text = decode(toks)
+    for s in stop_strs:
+        k = text.find(s)
+        if k >= 0:
+            text, reason = text[:k], "stop"
+            while toks and len(decode(toks)) > len(text):
+                toks = toks[:-1]
+    return toks, text, reason
+
+
+class _Row:
+    """One choice of a job while its batch runs: the ids so far and, once done, its Completion."""
+
+    def __init__(self, job: Job, index: int, codec: TextCodec | None):
+        self.job, self.index, self.codec = job, index, codec
+        self.ids: list[int] = []
+        self.result: Completion | None = None
+        tok = codec.tokenizer if codec is not None else None
+        # decoding each step costs time: only for text deltas and stop strings
+        wants_text = tok is not None and (job.on_event is not None or job.stop_strs)
+        self.decoder = IncrementalDecoder(tok, job.stop_strs) if wants_text else None
+
+    def push(self, token: int):
+        """Adds the row's next token; the row is done after a stop token (not kept), a stop string or
+        max_tokens tokens."""
+        self.ids.append(token)
+        if token in self.job.stop_ids:
+            return self.finish()
+        delta = self.decoder.push(token) if self.decoder is not None else ""
+        self.job.emit(("token", self.index, token, delta))
+        text = self.decoder.text if self.decoder is not None else ""
+        if len(self.ids) >= self.job.max_tokens or any(s in text for s in self.job.stop_strs):
+            self.finish()
+
+    def finish(self):
+        self.result = finish_completion(self.ids, self.job.stop_ids, self.job.stop_strs, self.codec)
+        rest = self.decoder.rest(self.result[1]) if self.decoder is not None else ""
+        self.job.emit(("finish", self.index, rest, self.result[2]))
+
 
 class QueueFull(Exception):
     pass
 
 
 class Engine:
-    """Background worker: collects Jobs, runs one `generate` per compatible batch, resolves their futures."""
+    """Background worker: collects Jobs, runs one `generate` per compatible batch and resolves each job's
+    future as soon as its rows are done (`codec` decodes text: stop strings and streamed deltas)."""
 
-    def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0):
-        self.model, self.cfg, self.pad = model, cfg, pad_token_id
+    def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0, codec: TextCodec | None = None):
+        self.model, self.cfg, self.pad, self.codec = model, cfg, pad_token_id, codec
         self._cv = threading.Condition()
         self._pending: list[Job] = []
         self._inflight = 0
@@ -254,10 +311,8 @@ class Engine:
             if batch is None:
                 break
             try:
-                results = self.run_batch(batch)
-                for job, res in zip(batch, results):
-                    job.future.set_result(res)
-            except Exception as e:  # noqa: BLE001 - report to the clients, keep serving
+                self.run_batch(batch)
+            except Exception as e:  # report to the clients, keep serving
                 log.exception("batch failed")
                 for job in batch:
                     if not job.future.done():
@@ -269,32 +324,54 @@ class Engine:
                 self.batches_run += 1
         self._fail_pending()  # shutting down: fail what is left
 
-    def run_batch(self, batch: list[Job]) -> list[list[list[int]]]:
-        """Per job, per (prompt, n) row: the generated ids (max_tokens of them, before stop handling)."""
+    def run_batch(self, batch: list[Job]) -> list[list[Completion]]:
+        """Runs the jobs as one batch; per job, per (prompt, n) row: its Completion. Each job's future is
+        resolved when its last row is done, and generation stops once every row is."""
         from .generate import generate
-        rows = [p for j in batch for p in j.prompts for _ in range(j.n)]
-        B = 1 << (len(rows) - 1).bit_length()  # pad rows to a power of two
-        B = max(B, len(rows))
-        T = -(-max(len(p) for p in rows) // 16) * 16
+        rows = [_Row(j, k, self.codec) for j in batch for k in range(len(j.prompts) * j.n)]
+        prompts = [p for j in batch for p in j.prompts for _ in range(j.n)]
+        B = 1 << (len(prompts) - 1).bit_length()  # pad rows to a power of two
+        B = max(B, len(prompts))
+        T = -(-max(len(p) for p in prompts) // 16) * 16
         ids = np.full((B, T), self.pad, np.int32)
         mask = np.zeros((B, T), np.int32)
-        for b, p in enumerate(rows):
+        for b, p in enumerate(prompts):
             ids[b, T - len(p):] = p
             mask[b, T - len(p):] = 1
-        mask[len(rows):, -1] = 1  # dummy rows: one pad token
+        mask[len(prompts):, -1] = 1  # dummy rows: one pad token
         N = max(j.max_tokens for j in batch)
         j0 = batch[0]
         seed = j0.seed if j0.seed is not None else int.from_bytes(os.urandom(4), "little")
-        res = generate(self.model, ids, N, attention_mask=mask, pad_token_id=self.pad,
-                       temperature=float(j0.temperature), top_p=j0.top_p, seed=seed)
-        out, r = [], 0
-        for j in batch:
-            job_rows = []
-            for _ in range(len(j.prompts) * j.n):
-                job_rows.append(res.tokens[r, :j.max_tokens].tolist())
-                r += 1
-            out.append(job_rows)
-        return out
+        resolved: set[int] = set()
+
+        def on_step(step: int, toks: np.ndarray) -> bool:
+            for row, t in zip(rows, toks.tolist()):
+                if row.result is None and row.job.cancelled:
+                    row.finish()
+                elif row.result is None:
+                    row.push(t)
+            self._resolve(batch, rows, resolved)
+            return all(row.result is not None for row in rows)  # True: stop the batch
+
+        generate(self.model, ids, N, attention_mask=mask, pad_token_id=self.pad, temperature=float(j0.temperature),
+                 top_p=j0.top_p, seed=seed, stream_callback=on_step)
+        for row in rows:  # cannot happen (N covers every max_tokens), but never leave a request hanging
+            if row.result is None:
+                row.finish()
+        self._resolve(batch, rows, resolved)
+        return [[row.result for row in rows if row.job is j] for j in batch]
+
+    @staticmethod
+    def _resolve(batch: list[Job], rows: list[_Row], resolved: set[int]):
+        """Resolves the future of every job (not resolved yet) whose rows are all done."""
+        for k, job in enumerate(batch):
+            if k in resolved:
+                continue
+            mine = [row for row in rows if row.job is job]
+            if all(row.result is not None for row in mine):
+                resolved.add(k)
+                if not job.future.done():
+                    job.future.set_result([row.result for row in mine])
 
 
 # ----------------------------------------------------------------------------------------------------- validation
@@ -321,6 +398,13 @@ def _float(body: dict, name: str, default, lo: float, hi: float) -> float:
     return float(v)
 
 
+def _put_quietly(put: Callable[[tuple], None], event: tuple):
+    try:
+        put(event)
+    except RuntimeError:  # the request's event loop is closed
+        pass
+
+
 def _is_ids(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -331,10 +415,10 @@ class Server:
         self.context = _context_length(model.config)
         v = model.config.get("vocab_size")
         self.vocab = v if isinstance(v, int) else None
-        self.eos = _eos_ids(path, model.config)
+        self.eos = eos_token_ids(path, model.config)
         pad = model.config.get("pad_token_id")
-        self.engine = Engine(model, cfg, pad if isinstance(pad, int) else 0)
         self.codec = TextCodec(path)
+        self.engine = Engine(model, cfg, pad if isinstance(pad, int) else 0, self.codec)
         self.name = cfg.model_name or path.name
         self.created = int(time.time())
 
@@ -413,33 +497,36 @@ class Server:
             if isinstance(ids, int):
                 stop_ids.add(ids)
         job = Job(prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                  top_p=None if top_p >= 1.0 else top_p, seed=seed, future=concurrent.futures.Future())
-        return job, {"stream": bool(stream), "stop_ids": stop_ids, "stop_strs": stop_strs}
+                  top_p=None if top_p >= 1.0 else top_p, seed=seed, future=concurrent.futures.Future(),
+                  stop_ids=frozenset(stop_ids), stop_strs=tuple(stop_strs))
+        return job, {"stream": bool(stream)}
 
-    def finish(self, toks: list[int], opts: dict) -> tuple[list[int], str, str]:
-        """(ids, text, finish_reason) after stop handling."""
-        reason = "length"
-        for i, t in enumerate(toks):
-            if t in opts["stop_ids"]:
-                toks, reason = toks[:i], "stop"
-                break
-        text = self.codec.decode(toks)
-        for s in opts["stop_strs"]:
-            k = text.find(s)
-            if k >= 0:
-                text, reason = text[:k], "stop"
-                # the ids whose text stays within the cut
-                while toks and len(self.codec.decode(toks)) > len(text):
-                    toks = toks[:-1]
-        return toks, text, reason
-
-    async def run(self, job: Job) -> list[list[int]]:
+    def submit(self, job: Job):
+        """Queues the job (429 when the queue is full)."""
         try:
             self.engine.submit(job)
         except QueueFull:
             raise APIError(429, "the server's request queue is full; retry later", code="queue_full",
                            type="rate_limit_error")
+
+    async def run(self, job: Job) -> list[Completion]:
+        """The job's completions (one per row) once all its rows are done."""
+        self.submit(job)
         return await asyncio.wrap_future(job.future)
+
+    def stream(self, job: Job) -> asyncio.Queue:
+        """Queues a streaming job; its events arrive in the returned queue (filled from the worker thread), then
+        ("end", future) once the job is resolved or failed."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(event: tuple):
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        job.on_event = put
+        self.submit(job)
+        # runs in the thread that resolves the future, after that thread's last event: the order is kept
+        job.future.add_done_callback(lambda f: _put_quietly(put, ("end", f)))
+        return queue
 
 
 # ----------------------------------------------------------------------------------------------------- app
@@ -513,37 +600,59 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     def _sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    async def _stream(job: Job, queue: asyncio.Queue, base: dict, choice: Callable, opening: list[dict],
+                      include_usage: bool):
+        """Server-sent events of a streaming job: the `opening` choices, one chunk per token as the worker
+        produces it, a finish chunk per row, then usage (if asked) and [DONE]; an error event if the batch
+        fails. `choice(index, text, token_ids, finish_reason)` shapes a chunk's choice."""
+        try:
+            for c in opening:
+                yield _sse({**base, "choices": [c]})
+            while True:
+                event = await queue.get()
+                if event[0] == "token":
+                    _, i, token, delta = event
+                    yield _sse({**base, "choices": [choice(i, delta, [token], None)]})
+                elif event[0] == "finish":
+                    _, i, rest, reason = event
+                    yield _sse({**base, "choices": [choice(i, rest, [], reason)]})
+                else:  # ("end", future)
+                    exc = event[1].exception()
+                    if exc is not None:
+                        err = exc if isinstance(exc, APIError) else APIError(
+                            500, f"generation failed: {exc}", code="internal_error", type="server_error")
+                        yield _sse(err.body())
+                        return
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(job, [c[0] for c in event[1].result()])})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:  # also when the client disconnects: the worker finishes this job's rows at its next step
+            job.cancelled = True
+
+    def _include_usage(body: dict) -> bool:
+        return bool((body.get("stream_options") or {}).get("include_usage"))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _json(request)
         prompts = srv._prompt_ids(body.get("prompt"))
         job, opts = srv._common(body, prompts, cfg.default_max_tokens)
-        rows = await srv.run(job)
-        done = [srv.finish(r, opts) for r in rows]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = _usage(job, [d[0] for d in done])
-        if not opts["stream"]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": srv.name,
-                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason,
-                                 "token_ids": ids} for i, (ids, text, reason) in enumerate(done)],
-                    "usage": usage}
-
-        def events():
+        if opts["stream"]:
+            queue = srv.stream(job)
             base = {"id": rid, "object": "text_completion", "created": created, "model": srv.name}
-            for i, (ids, text, reason) in enumerate(done):
-                sent = 0  # characters of `text` sent so far: the pieces always add up to the final text
-                for k, t in enumerate(ids):
-                    upto = min(len(text), len(srv.codec.decode(ids[:k + 1])))
-                    yield _sse({**base, "choices": [{"index": i, "text": text[sent:upto], "logprobs": None,
-                                                     "finish_reason": None, "token_ids": [t]}]})
-                    sent = max(sent, upto)
-                yield _sse({**base, "choices": [{"index": i, "text": text[sent:], "logprobs": None,
-                                                 "finish_reason": reason, "token_ids": []}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                yield _sse({**base, "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+            def choice(i, text, token_ids, reason):
+                return {"index": i, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": token_ids}
+
+            return StreamingResponse(_stream(job, queue, base, choice, [], _include_usage(body)),
+                                     media_type="text/event-stream")
+        done = await srv.run(job)
+        return {"id": rid, "object": "text_completion", "created": created, "model": srv.name,
+                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason,
+                             "token_ids": ids} for i, (ids, text, reason) in enumerate(done)],
+                "usage": _usage(job, [d[0] for d in done])}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -556,31 +665,25 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
         ids = srv.codec.chat_prompt(messages)
         srv._check_ids(ids, "messages")
         job, opts = srv._common(body, [ids], cfg.default_max_tokens)
-        rows = await srv.run(job)
-        done = [srv.finish(r, opts) for r in rows]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = _usage(job, [d[0] for d in done])
-        if not opts["stream"]:
-            return {"id": rid, "object": "chat.completion", "created": created, "model": srv.name,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": reason, "token_ids": t}
-                                for i, (t, text, reason) in enumerate(done)], "usage": usage}
-
-        def events():
+        if opts["stream"]:
+            queue = srv.stream(job)
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.name}
-            for i, (t, text, reason) in enumerate(done):
-                yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-                if text:
-                    yield _sse({**base, "choices": [{"index": i, "delta": {"content": text}, "logprobs": None,
-                                                     "finish_reason": None}]})
-                yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                 "finish_reason": reason}]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                yield _sse({**base, "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+            def choice(i, text, token_ids, reason):
+                delta = {"content": text} if text or reason is None else {}
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason,
+                        "token_ids": token_ids}
+
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(job.rows)]
+            return StreamingResponse(_stream(job, queue, base, choice, opening, _include_usage(body)),
+                                     media_type="text/event-stream")
+        done = await srv.run(job)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": srv.name,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason, "token_ids": t}
+                            for i, (t, text, reason) in enumerate(done)], "usage": _usage(job, [d[0] for d in done])}
 
     return app
 
