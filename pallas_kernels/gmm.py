@@ -232,8 +232,8 @@ def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, *refs, loader,
 
         acc = lax.fori_loop(lo, hi, body, jnp.zeros((bm, bn), jnp.float32))
         final = loader.final_scale(rhs_refs, g)
-        if final is not None:
-            acc = acc / final
+        if final is not None:  # a per-group divisor (or multiplier: loader.final_divides False)
+            acc = acc / final if getattr(loader, "final_divides", True) else acc * final
         plt.store(out_ref.at[out_idx], acc.astype(out_ref.dtype), mask=store_mask)
 
     @pl.when(g == num_groups)

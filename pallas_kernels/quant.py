@@ -104,10 +104,15 @@ def dequant_mxfp4(blocks: jax.Array, scales: jax.Array) -> jax.Array:
     return values.reshape(*values.shape[:-2], values.shape[-2] * values.shape[-1])
 
 
-def dequant_nvfp4(packed: jax.Array, scale: jax.Array, global_scale: jax.Array) -> jax.Array:
+def dequant_nvfp4(packed: jax.Array, scale: jax.Array, global_scale: jax.Array, global_multiplies: bool = False
+                  ) -> jax.Array:
     """NVFP4 (compressed-tensors): packed uint8 [.., out, in/2], scale e4m3 [.., out, in/16], global_scale float32
-    [1] (or [.., 1] per expert) -> float32 [.., out, in] = LUT[code] * (float32(scale) / global_scale)."""
+    [1] (or [.., 1] per expert) -> float32 [.., out, in] = LUT[code] * (float32(scale) / global_scale).
+    `global_multiplies` (ModelOpt's `weight_scale_2`): LUT[code] * (float32(scale) * global_scale)."""
     values = _lut(unpack_fp4(packed))  # [.., out, in]
+    if global_multiplies:
+        factor = jnp.broadcast_to(global_scale.astype(jnp.float32)[..., None], scale.shape)
+        return values * jnp.repeat(scale.astype(jnp.float32) * factor, NVFP4_BLOCK, axis=-1)
     # divide first, in float32. XLA rewrites `x / broadcast(g)` as `x * broadcast(1 / g)`, which is off by an
     # ulp; the optimization barrier keeps a true division (bit-identical to NumPy)
     divisor = jnp.broadcast_to(global_scale.astype(jnp.float32)[..., None], scale.shape)
@@ -165,11 +170,13 @@ class Mxfp4Weight:
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Weight:
     """NVFP4 weight: uint8 `packed` [.., out, in/2], e4m3 `scale` [.., out, in/16], float32 `global_scale`
-    [1] or [.., 1] (divides)."""
+    [1] or [.., 1]; it divides (compressed-tensors) or, with `global_multiplies`, multiplies (ModelOpt's
+    `weight_scale_2`)."""
 
     packed: jax.Array
     scale: jax.Array
     global_scale: jax.Array
+    global_multiplies: bool = False
     format = "nvfp4"
 
     @property
@@ -178,7 +185,7 @@ class Nvfp4Weight:
         return (*lead, out_dim, 2 * half)
 
     def dequantize(self) -> jax.Array:
-        return dequant_nvfp4(self.packed, self.scale, self.global_scale)
+        return dequant_nvfp4(self.packed, self.scale, self.global_scale, self.global_multiplies)
 
     def nbytes(self) -> int:
         return int(self.packed.size + self.scale.size + self.global_scale.size * 4)
@@ -186,9 +193,9 @@ class Nvfp4Weight:
 
 QuantizedWeight = Fp8BlockWeight | Mxfp4Weight | Nvfp4Weight
 
-for _cls, _fields in ((Fp8BlockWeight, ["weight", "scale_inv"]), (Mxfp4Weight, ["blocks", "scales"]),
-                      (Nvfp4Weight, ["packed", "scale", "global_scale"])):
-    jax.tree_util.register_dataclass(_cls, data_fields=_fields, meta_fields=[])
+for _cls, _fields, _meta in ((Fp8BlockWeight, ["weight", "scale_inv"], []), (Mxfp4Weight, ["blocks", "scales"], []),
+                             (Nvfp4Weight, ["packed", "scale", "global_scale"], ["global_multiplies"])):
+    jax.tree_util.register_dataclass(_cls, data_fields=_fields, meta_fields=_meta)
 
 
 # -------------------------------------------------------------------------- quantizers (for tests, benches)

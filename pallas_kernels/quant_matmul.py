@@ -145,8 +145,9 @@ class _Nvfp4Rhs:
     num_refs = 3
     transposed = True
 
-    def __init__(self, k_dim: int):
+    def __init__(self, k_dim: int, global_multiplies: bool = False):
         self.k_dim = k_dim
+        self.final_divides = not global_multiplies  # compressed-tensors divides, ModelOpt multiplies
 
     def check_block_k(self, block_k: int) -> None:
         if block_k % NVFP4_BLOCK:
@@ -186,14 +187,14 @@ def _operands(w: Any, num_groups: int):
     if isinstance(w, Nvfp4Weight):
         _, n_dim, half = w.packed.shape
         global_scale = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_groups,))
-        return _Nvfp4Rhs(2 * half), (w.packed, w.scale, global_scale), n_dim, 2 * half
+        return _Nvfp4Rhs(2 * half, w.global_multiplies), (w.packed, w.scale, global_scale), n_dim, 2 * half
     raise TypeError(f"expected Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got {type(w).__name__}")
 
 
 def _with_group_dim(w: Any) -> Any:
     """A single [N, K] quantized weight as a one-expert [1, N, K] weight (free reshapes)."""
     if isinstance(w, Nvfp4Weight):
-        return Nvfp4Weight(w.packed[None], w.scale[None], w.global_scale.reshape(1, 1))
+        return Nvfp4Weight(w.packed[None], w.scale[None], w.global_scale.reshape(1, 1), w.global_multiplies)
     return jax.tree_util.tree_map(lambda a: a[None], w)
 
 

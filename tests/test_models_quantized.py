@@ -135,3 +135,56 @@ def test_bad_quantized_tensors_name_the_tensor():
     with pytest.raises(ValueError, match="weight_format"):
         make_config({"type": "top", "k": 1}, 8, {"type": "swiglu", "count_per_node": 2,
                                                  "hidden_size_per_expert": 8, "weight_format": "int4"})
+
+
+def _as_modelopt(src: Path, dst: Path) -> Path:
+    """The compressed-tensors NVFP4 fixture rewritten in ModelOpt's layout: X.weight (packed), X.weight_scale,
+    X.weight_scale_2 = 1 / global_scale (multiplies), X.input_scale."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from tutel_jax.checkpoint.safetensors_io import open_checkpoint
+
+    dst.mkdir()
+    out = {}
+    with open_checkpoint(src) as ckpt:
+        for name in ckpt:
+            a = ckpt[name]
+            if name.endswith(".weight_packed"):
+                out[name[: -len("_packed")]] = a
+            elif name.endswith(".weight_global_scale"):
+                base = name[: -len("weight_global_scale")]
+                out[base + "weight_scale_2"] = (np.float32(1.0) / a.astype(np.float32)).reshape(())
+                out[base + "input_scale"] = np.ones((), np.float32)
+            else:
+                out[name] = a
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_modelopt_nvfp4_checkpoint(tmp_path):
+    d = _as_modelopt(HF / "qwen3_moe_nvfp4", tmp_path / "modelopt")
+    model = from_pretrained(d)
+    experts = model.params["layers"][0]["moe"]["experts"]
+    assert experts["gate_proj"].format == "nvfp4" and experts["gate_proj"].global_multiplies
+    e = np.load(HF / "qwen3_moe_nvfp4" / "expected.npz")
+    got = np.asarray(model(e["input_ids"]))
+    np.testing.assert_allclose(got, e["logits"], rtol=1e-4, atol=1e-4)
+    ref = np.asarray(from_pretrained(d, dequantize=True)(e["input_ids"]))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_modelopt_global_scale_in_the_interpreted_kernel():
+    import pallas_kernels
+
+    w = quant_weights.quantize(jax.random.normal(jax.random.key(5), (3, 64, 128)), "nvfp4")
+    w = type(w)(w.packed, w.scale, 1.0 / w.global_scale, True)  # the same values, ModelOpt's convention
+    x = jax.random.normal(jax.random.key(6), (20, 128))
+    sizes = jnp.array([7, 0, 13], jnp.int32)
+    ref = pallas_kernels.quant_gmm(x, w, sizes, implementation="xla")
+    got = pallas_kernels.quant_gmm(x, w, sizes, implementation="interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))

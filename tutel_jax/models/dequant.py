@@ -10,6 +10,8 @@ so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoin
                           -> X = (LUT[nibbles] * 2**(s - 127)) [E, out, in], transposed to [E, in, out]
   NVFP4 (compressed-t.)   X.weight_packed u8 [out, in/2] + X.weight_scale e4m3 [out, in/16] + X.weight_global_scale
                           -> X.weight = LUT[nibbles] * (f32(weight_scale) / weight_global_scale)
+  NVFP4 (ModelOpt)        X.weight u8 [out, in/2] + X.weight_scale e4m3 [out, in/16] + X.weight_scale_2 f32 []
+                          -> X.weight = LUT[nibbles] * (f32(weight_scale) * weight_scale_2)  (X.input_scale unused)
 Other floating tensors (bf16, f16) are upcast to float32 exactly. That is the reference path; the default
 `QuantizedTensors` view keeps the weights packed (containers of `pallas_kernels.quant`), dequantized inside the
 matmuls (`tutel_jax.quant_weights`).
@@ -37,7 +39,7 @@ def is_quantized(config: Mapping[str, Any]) -> bool:
     return bool(config.get("quantization_config"))
 
 
-QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
+QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors", "modelopt")
 
 
 def check_quantization_config(config: Mapping[str, Any]) -> None:
@@ -53,6 +55,8 @@ def check_quantization_config(config: Mapping[str, Any]) -> None:
     fmt = q.get("format")
     if method == "compressed-tensors" and fmt not in (None, "nvfp4-pack-quantized"):
         raise ValueError(f"unsupported compressed-tensors format {fmt!r}; supported: 'nvfp4-pack-quantized'")
+    if method == "modelopt" and str(q.get("quant_algo", "")).upper() != "NVFP4":
+        raise ValueError(f"unsupported modelopt quant_algo {q.get('quant_algo')!r}; supported: 'NVFP4'")
 
 
 def dequant_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
@@ -77,10 +81,13 @@ def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return vals.reshape(vals.shape[:-2] + (-1,))
 
 
-def dequant_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray, group: int = 16) -> np.ndarray:
-    """packed u8 [out, in/2], scale e4m3 [out, in/group], global_scale f32 [1] -> float32 [out, in]."""
+def dequant_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray, group: int = 16,
+                  global_multiplies: bool = False) -> np.ndarray:
+    """packed u8 [out, in/2], scale e4m3 [out, in/group], global_scale f32 [1] -> float32 [out, in]; the global
+    scale divides (compressed-tensors) or multiplies (`global_multiplies`: ModelOpt's weight_scale_2)."""
     vals = E2M1_LUT[_nibbles(packed)]
-    s = scale.astype(np.float32) / np.asarray(global_scale, np.float32).reshape(())
+    g = np.asarray(global_scale, np.float32).reshape(())
+    s = scale.astype(np.float32) * g if global_multiplies else scale.astype(np.float32) / g
     return vals * np.repeat(s, group, axis=-1)[:, :vals.shape[-1]]
 
 
@@ -103,6 +110,14 @@ class _QuantizedCheckpointView(Mapping):
                 base = name[: -len("_blocks")]
                 self._rules[base] = ("mxfp4", (name, base + "_scales"))
                 hidden.update((name, base + "_scales"))
+            elif name.endswith(".weight_scale_2"):  # ModelOpt NVFP4: X.weight u8, X.weight_scale, X.weight_scale_2
+                base = name[: -len("_scale_2")]
+                parts = (base, base + "_scale", name)
+                missing = [p for p in parts if p not in tensors]
+                if missing:
+                    raise ValueError(f"NVFP4 (ModelOpt) tensor {name!r} lacks {missing}")
+                self._rules[base] = ("nvfp4_modelopt", parts)
+                hidden.update(parts[1:] + (base[: -len("weight")] + "input_scale",))
             elif name.endswith(".weight_packed"):
                 base = name[: -len("_packed")]
                 parts = (name, base + "_scale", base + "_global_scale")
@@ -158,7 +173,7 @@ class DequantizedTensors(_QuantizedCheckpointView):
             return dequant_fp8_block(a[0], a[1], self._block)
         if kind == "mxfp4":
             return np.swapaxes(dequant_mxfp4(a[0], a[1]), -1, -2).copy()  # [E, out, in] -> [E, in, out]
-        return dequant_nvfp4(a[0], a[1], a[2])
+        return dequant_nvfp4(a[0], a[1], a[2], global_multiplies=kind == "nvfp4_modelopt")
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -188,12 +203,12 @@ class QuantizedTensors(_QuantizedCheckpointView):
                     f"{scales.shape}")
             return Mxfp4Weight(blocks, scales)
         packed, scale, gscale = a
-        _expect(packed.dtype == np.uint8, f"NVFP4 weight_packed must be uint8, got {packed.dtype}")
+        _expect(packed.dtype == np.uint8, f"NVFP4 packed weight must be uint8, got {packed.dtype}")
         _expect(scale.shape == packed.shape[:-1] + (packed.shape[-1] * 2 // 16,),
                 f"NVFP4 weight_scale shape {scale.shape} does not fit weight_packed {packed.shape} "
                 "(one scale per 16 values)")
         _expect(gscale.size == 1, f"NVFP4 weight_global_scale must hold one value, got shape {gscale.shape}")
-        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1))
+        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1), kind == "nvfp4_modelopt")
 
     def fp8_block_supported(self) -> bool:
         return self._block == (128, 128)
