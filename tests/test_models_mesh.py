@@ -55,3 +55,19 @@ def test_expert_count_must_divide_the_axis():
         from_pretrained(HF / "mixtral", mesh=mesh)
     with pytest.raises(ValueError, match="expert_axis 'ep' is not an axis"):
         from_pretrained(HF / "mixtral", mesh=mesh, expert_axis="ep")
+
+
+def test_sharded_forward_never_gathers_expert_weights():
+    """The partitioned program computes each device's experts on the tokens and all-reduces activations; no
+    float tensor (expert weights included) is all-gathered."""
+    import jax.numpy as jnp
+
+    from tutel_jax.models import context_from_mask
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+    model = from_pretrained(HF / "qwen3_moe", mesh=mesh)
+    ids = jnp.ones((2, 12), jnp.int32)
+    hlo = model._fwd.lower(model.params, ids, context_from_mask(jnp.ones(ids.shape, bool))).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line or "all-gather-start(" in line]
+    assert not [line for line in gathers if "f32[" in line or "bf16[" in line], gathers
+    assert any(" all-reduce(" in line and "f32[" in line for line in hlo.splitlines())

@@ -132,7 +132,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
     With a `mesh` (jax.sharding.Mesh), the routed experts are split over its `expert_axis` and each device
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
-    weights are replicated; the forward runs under XLA's SPMD partitioner.
+    weights are replicated; under XLA's SPMD partitioner each device then runs its own experts on the tokens
+    and the MoE outputs are all-reduced (expert weights are never gathered).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
