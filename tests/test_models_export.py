@@ -17,7 +17,7 @@ from tutel_jax.checkpoint.safetensors_io import open_checkpoint
 from tutel_jax.models import from_pretrained, save_pretrained
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-FLOAT_CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+FLOAT_CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("case", FLOAT_CASES)
@@ -39,6 +39,18 @@ def test_export_round_trip_is_exact(case, tmp_path):
     ids = np.load(HF / case / "expected.npz")["input_ids"]
     np.testing.assert_array_equal(np.asarray(from_pretrained(tmp_path / "out")(ids)), np.asarray(model(ids)))
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith(".tmp")]
+
+
+def test_kimi_k2_is_deepseek_v3_under_another_name(tmp_path):
+    d = _copy("deepseek_v3", tmp_path / "kimi")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, model_type="kimi_k2")))
+    ids = np.load(HF / "deepseek_v3" / "expected.npz")["input_ids"]
+    model = from_pretrained(d)
+    assert model.spec.model_type == "deepseek_v3"
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(from_pretrained(HF / "deepseek_v3")(ids)))
+    save_pretrained(model, tmp_path / "out")  # keeps its own model_type
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k2"
 
 
 def test_export_refuses_quantized_models_and_writes_nothing(tmp_path):

@@ -20,7 +20,7 @@ from tutel_jax.models.dequant import dequant_fp8_block, dequant_mxfp4, dequant_n
 from tutel_jax.serving import generate, left_align
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"]
 QUANT_CASES = ["deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4"]  # kept quantized in memory
 TOL = dict(rtol=1e-4, atol=1e-4)
 _MODELS: dict = {}

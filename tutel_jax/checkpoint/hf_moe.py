@@ -5,6 +5,7 @@ Supported `model_type`s (float checkpoints; names as stored on disk):
   qwen3_moe    mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight
   qwen2_moe    as qwen3_moe, plus mlp.shared_expert.{gate,up,down}_proj.weight and mlp.shared_expert_gate.weight [1, H]
   deepseek_v3  mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{e}.*, mlp.shared_experts.*
+               (also model_type kimi_k2; glm4_moe: the same names, dropped groups masked with -inf)
   gpt_oss      mlp.router.weight / bias, mlp.experts.gate_up_proj [E, H, 2I] (interleaved), gate_up_proj_bias,
                down_proj [E, I, H], down_proj_bias
 The block maps hidden states [..., H] to the MoE output [..., H] exactly like the HF block (dropless: HF never
@@ -25,7 +26,15 @@ from .. import quant_weights
 
 __all__ = ["hf_moe_block", "hf_moe_block_tensors", "moe_layer_indices", "load_safetensors"]
 
-SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")
+SUPPORTED = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+#: model_types that are another family under a different name (Kimi-K2 ships DeepSeek-V3's architecture)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def family(config: Mapping) -> str | None:
+    """The supported family of config.json's model_type (aliases resolved), or the model_type itself."""
+    kind = config.get("model_type")
+    return ALIASES.get(kind, kind)
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -46,8 +55,8 @@ def _num_experts(config: Mapping) -> int:
 def moe_layer_indices(config: Mapping) -> list[int]:
     """Indices of the decoder layers that hold an MoE block."""
     layers = int(config["num_hidden_layers"])
-    kind = config.get("model_type")
-    if kind == "deepseek_v3":
+    kind = family(config)
+    if kind in ("deepseek_v3", "glm4_moe"):
         first = int(config.get("first_k_dense_replace", 0))  # HF: every layer from first_k_dense_replace on
         return [i for i in range(layers) if i >= first]
     if kind in ("qwen3_moe", "qwen2_moe"):
@@ -117,9 +126,10 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
 
     from ..config import make_config
 
-    kind = config.get("model_type")
+    kind = family(config)
     if kind not in SUPPORTED:
-        raise ValueError(f"model_type must be one of {SUPPORTED}, got {kind!r}")
+        raise ValueError(f"model_type must be one of {SUPPORTED} (or an alias: {sorted(ALIASES)}), "
+                         f"got {config.get('model_type')!r}")
     moe_layers = moe_layer_indices(config)
     layer = moe_layers[-1] if layer is None else int(layer)
     if layer not in moe_layers:
@@ -137,7 +147,7 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
         experts["type"] = "swiglu"
         expert_params, experts["weight_format"] = _stack_swiglu(tensors, p + "experts.", num_experts,
                                                                 ("w1.weight", "w3.weight", "w2.weight"))
-    elif kind in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
+    elif kind in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"):
         p = f"model.layers.{layer}.mlp."
         gate_params = {"weight": _take(tensors, p + "gate.weight")}
         experts["type"] = "swiglu"
@@ -157,6 +167,8 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
                     "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
                     "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
                     "correction_bias": has_bias}
+            if kind == "glm4_moe":  # HF's GLM-4 MoE router masks dropped groups with -inf (DeepSeek-V3: 0.0)
+                gate["group_mask_value"] = float("-inf")
             if has_bias:
                 gate_params["e_score_correction_bias"] = _take(tensors, p + "gate.e_score_correction_bias")
             n_shared = int(config.get("n_shared_experts") or 0)
@@ -212,9 +224,10 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
     params: the block's {'gates', 'experts'[, 'shared_experts']} as `hf_moe_block` builds them.
     Quantized expert weights: ValueError (export writes float checkpoints only).
     """
-    kind = config.get("model_type")
+    kind = family(config)
     if kind not in SUPPORTED:
-        raise ValueError(f"model_type must be one of {SUPPORTED}, got {kind!r}")
+        raise ValueError(f"model_type must be one of {SUPPORTED} (or an alias: {sorted(ALIASES)}), "
+                         f"got {config.get('model_type')!r}")
     if any(quant_weights.is_quantized(v) for v in _leaves(params)):
         raise ValueError(f"layer {layer}: quantized expert weights cannot be exported (float checkpoints only)")
     arr = lambda a: np.asarray(a)

@@ -1,6 +1,7 @@
 """The two attention kinds of the supported families, each with an optional static KV cache.
 
-`gqa_attention`: Qwen3-MoE (q/k RMSNorm), Mixtral, GPT-OSS (q/k/v/o biases, sinks, sliding window).
+`gqa_attention`: Qwen3-MoE (q/k RMSNorm), Qwen2-MoE (q/k/v biases), Mixtral, GPT-OSS (q/k/v/o biases, sinks,
+sliding window), GLM-4 MoE (q/k/v biases, optional q/k RMSNorm, partial rotary).
 `mla_attention`: DeepSeek-V3 multi-head latent attention (q LoRA, compressed kv, rope/nope split); the cache
 holds the decompressed per-head keys and values (simple, not the compressed latent).
 A layer's cache is {'k': [B, L, Hkv, Dk], 'v': [B, L, Hkv, Dv]} or None (no cache: L = T).
@@ -34,6 +35,13 @@ def _with_cache(k, v, cache, ctx: AttnContext):
     return ck, cv, {"k": ck, "v": cv}
 
 
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int | None) -> jax.Array:
+    """RoPE on x [B, T, H, D]'s first `rotary_dim` dims (all when None); the rest passes through."""
+    if rotary_dim is None:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], axis=-1)
+
+
 def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
                   spec: DecoderSpec, layer: int, cache: dict | None = None):
     """x [B, T, M] -> ([B, T, M], new cache). p: q/k/v/o_proj [out, in], optional *_bias, q_norm / k_norm [D],
@@ -45,7 +53,7 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     v = linear(x, p["v_proj"], p.get("v_bias")).reshape(B, T, spec.num_kv_heads, D)
     if "q_norm" in p:
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
     k, v, cache = _with_cache(k, v, cache, ctx)
     o = attend(q, k, v, ctx, D ** -0.5, window=spec.windows[layer], sinks=p.get("sinks"))
     return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias")), cache

@@ -7,12 +7,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint.hf_moe import moe_layer_indices
+from ..checkpoint.hf_moe import ALIASES, family, moe_layer_indices
 from .layers import rope_inv_freq
 
 __all__ = ["FAMILIES", "MLASpec", "DecoderSpec", "spec_from_config"]
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss") + tuple(ALIASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,8 @@ class DecoderSpec:
     ffn: tuple[str, ...]
     qk_norm: bool = False
     attention_bias: bool = False  # q/k/v/o biases (GPT-OSS)
-    qkv_bias: bool = False  # q/k/v biases only (Qwen2-MoE)
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2-MoE, GLM-4 MoE)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (GLM-4 MoE); None: all
     sinks: bool = False
     tie_word_embeddings: bool = False
     mla: MLASpec | None = None
@@ -77,9 +78,9 @@ def _windows(config: Mapping[str, Any], n: int) -> tuple[int | None, ...]:
 
 def spec_from_config(config: Mapping[str, Any]) -> DecoderSpec:
     """DecoderSpec of an HF config.json dict; ValueError for an unknown model_type."""
-    kind = config.get("model_type")
-    if kind not in FAMILIES:
-        raise ValueError(f"unsupported model_type {kind!r}; supported: {FAMILIES}")
+    if config.get("model_type") not in FAMILIES:
+        raise ValueError(f"unsupported model_type {config.get('model_type')!r}; supported: {FAMILIES}")
+    kind = family(config)
     n = int(config["num_hidden_layers"])
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
@@ -99,6 +100,8 @@ def spec_from_config(config: Mapping[str, Any]) -> DecoderSpec:
                       qk_nope_dim=nope, qk_rope_dim=rdim, v_dim=int(config["v_head_dim"]),
                       rope_interleave=bool(config.get("rope_interleave", True)), softmax_scale=scale)
         rope_dim = rdim
+    else:  # GLM-4 MoE rotates only the first partial_rotary_factor of each head
+        rope_dim = int(head_dim * float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))))
     inv_freq, attention_factor = rope_inv_freq(rope, rope_dim, int(config.get("max_position_embeddings", 4096)))
     return DecoderSpec(
         model_type=kind, vocab_size=int(config["vocab_size"]), hidden_size=hidden, num_layers=n,
@@ -106,6 +109,9 @@ def spec_from_config(config: Mapping[str, Any]) -> DecoderSpec:
         eps=float(config.get("rms_norm_eps", 1e-6)), inv_freq=tuple(float(f) for f in inv_freq),
         attention_factor=attention_factor, windows=_windows(config, n),
         ffn=tuple("moe" if i in moe else "dense" for i in range(n)),
-        qk_norm=kind == "qwen3_moe", attention_bias=bool(config.get("attention_bias", False)),
-        qkv_bias=kind == "qwen2_moe" and bool(config.get("qkv_bias", True)),
+        qk_norm=kind == "qwen3_moe" or (kind == "glm4_moe" and bool(config.get("use_qk_norm", False))),
+        attention_bias=kind != "glm4_moe" and bool(config.get("attention_bias", False)),
+        qkv_bias=((kind == "qwen2_moe" and bool(config.get("qkv_bias", True)))
+                  or (kind == "glm4_moe" and bool(config.get("attention_bias", False)))),
+        rotary_dim=None if rope_dim == head_dim or kind == "deepseek_v3" else rope_dim,
         sinks=kind == "gpt_oss", tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), mla=mla)
