@@ -103,7 +103,9 @@ def route(
     """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux); `valid` [S] masks padding tokens out.
 
     Router gates (with `select` or `plan`: Mixtral, DeepSeek-V3, GPT-OSS, expert choice, ...) go through
-    `routing.router_plan.route_with_router`; Tutel's gates through softmax + `top_k_routing`. `seq_len` (tokens
+    `routing.router_plan.route_with_router`; Tutel's gates through softmax + `top_k_routing`. With
+    `config.kernel_backend` and no `valid`, the fused gating kernel chooses experts and slots for Tutel's gates
+    and for the router gates it reproduces exactly (see `kernel_gating` on the gates). `seq_len` (tokens
     per sequence) is used by the sequence-wise loss. With `return_losses` the result is (plan, l_aux, losses).
     """
     gate = config.gate(gate_index)
@@ -120,7 +122,8 @@ def route(
         plan, l_aux, losses = route_with_router(
             gate, gate_params, x, num_experts, top_k=k, capacity_factor=cf, rng=rng, deterministic=deterministic,
             batch_prioritized_routing=config.batch_prioritized_routing, alignment=alignment, valid=valid,
-            num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, seq_len=seq_len)
+            num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, seq_len=seq_len,
+            kernel_backend=config.kernel_backend)
         return (plan, l_aux, losses) if return_losses else (plan, l_aux)
 
     logits = gate.logits(gate_params, x)

@@ -7,6 +7,10 @@ x -> (training: input jitter) -> logits -> (training: additive noise) -> router 
   'seq_aux' DeepSeek-V3's sequence-wise balance loss,
   'z_loss'  mean(logsumexp(logits)^2), on the logits before the additive noise.
 `l_aux` = losses[gate.aux_loss] (0 for 'none') + gate.z_loss_weight * losses['z_loss'].
+
+With a `kernel_backend` and no padding mask, a gate whose `kernel_gating` describes it has its experts and slots
+chosen by the fused gating kernel (`pallas_kernels.gating`, integer outputs only); the weights and probs are
+recomputed from the logits by the gate (`choices_for_ids`), so plan, gradients and losses equal the plain path's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 
 from ..losses import gshard_loss, router_z_loss, sequence_aux_loss, switch_load_loss
 from .plan import RoutingPlan, plan_from_choices
+from .routers import RouterChoices
 
 __all__ = ["is_router_gate", "route_with_router"]
 
@@ -43,6 +48,7 @@ def route_with_router(
     num_tokens_for_capacity: int | jax.Array | None = None,
     max_count_reduce=None,
     seq_len: int | None = None,
+    kernel_backend: str | None = None,
 ) -> tuple[RoutingPlan, jax.Array, dict[str, jax.Array]]:
     """Routes tokens x [S, M] with a router gate.
 
@@ -55,6 +61,8 @@ def route_with_router(
       batch_prioritized_routing: place tokens by descending best probability instead of token order.
       alignment, valid, num_tokens_for_capacity, max_count_reduce: as in `plan_from_choices`.
       seq_len: tokens per sequence for the sequence-wise loss (default: all S tokens form one sequence).
+      kernel_backend: a `pallas_kernels` implementation for the fused gating kernel (used without `valid` and
+        when the gate's `kernel_gating` allows it), or None for plain XLA.
 
     Returns:
       (plan, l_aux [] float32, losses {name: [] float32}).
@@ -85,12 +93,20 @@ def route_with_router(
                             num_tokens_for_capacity=num_tokens_for_capacity
                             if isinstance(num_tokens_for_capacity, int) else None)
     else:
-        choices = gate.select(gate_params, noisy, top_k)
-        priority = jnp.max(choices.probs, axis=1) if batch_prioritized_routing else None
-        plan = plan_from_choices(
-            choices.expert_ids, choices.weights, num_experts, capacity_factor, priority=priority,
-            alignment=alignment, valid=valid, num_tokens_for_capacity=num_tokens_for_capacity,
-            max_count_reduce=max_count_reduce)
+        spec = _kernel_spec(gate, gate_params, top_k, num_experts, kernel_backend, valid)
+        if spec is None:
+            choices = gate.select(gate_params, noisy, top_k)
+            priority = jnp.max(choices.probs, axis=1) if batch_prioritized_routing else None
+            plan = plan_from_choices(
+                choices.expert_ids, choices.weights, num_experts, capacity_factor, priority=priority,
+                alignment=alignment, valid=valid, num_tokens_for_capacity=num_tokens_for_capacity,
+                max_count_reduce=max_count_reduce)
+        else:
+            choices, slots = _kernel_choices(gate, gate_params, noisy, top_k, num_experts, spec,
+                                             batch_prioritized_routing, kernel_backend)
+            plan = plan_from_choices(
+                choices.expert_ids, choices.weights, num_experts, capacity_factor, alignment=alignment,
+                num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, slots=slots)
         seq = num_tokens if not seq_len or num_tokens % int(seq_len) else int(seq_len)
         losses["switch"] = switch_load_loss(choices.probs, choices.expert_ids, valid)
         losses["gshard"] = gshard_loss(choices.probs, choices.expert_ids, valid).astype(jnp.float32)
@@ -101,3 +117,45 @@ def route_with_router(
     if weight:
         l_aux = l_aux + weight * losses["z_loss"]
     return plan, l_aux.astype(jnp.float32), losses
+
+
+def _kernel_spec(gate: Any, gate_params: Any, top_k: int, num_experts: int, kernel_backend: str | None,
+                 valid: jax.Array | None) -> dict | None:
+    """The gate's `pallas_kernels.gating` arguments, or None for the plain path (no backend, a padding mask,
+    or a gate the kernel cannot reproduce exactly)."""
+    describe = getattr(gate, "kernel_gating", None)
+    if kernel_backend is None or valid is not None or not callable(describe):
+        return None
+    return describe(gate_params, top_k, num_experts)
+
+
+def _kernel_choices(
+    gate: Any,
+    gate_params: Any,
+    logits: jax.Array,
+    top_k: int,
+    num_experts: int,
+    spec: dict,
+    batch_prioritized_routing: bool,
+    kernel_backend: str,
+) -> tuple[RouterChoices, tuple[jax.Array, jax.Array]]:
+    """The gate's choices with experts and slots from the fused gating kernel.
+
+    Args:
+      logits: [S, E] (noisy) router logits.
+      spec: the gate's `kernel_gating` arguments.
+
+    Returns:
+      (choices: expert_ids [k, S] from the kernel, weights [k, S] and probs [S, E] recomputed differentiably
+      by the gate; slots: (locations [k, S], counts [E]) in Tutel's order, for `plan_from_choices`).
+    """
+    import pallas_kernels
+    fused = pallas_kernels.gating(jax.lax.stop_gradient(logits), top_k, **spec, implementation=kernel_backend)
+    ids, locations, counts = jax.lax.stop_gradient((fused.expert_ids, fused.locations, fused.counts))
+    choices = gate.choices_for_ids(gate_params, logits, ids)
+    if batch_prioritized_routing:
+        # the kernel's own order is max(scores), not max(probs) for sigmoid routers (probs = scores / sum):
+        # re-rank in the plain path's order, which is exact for every router
+        order = jnp.argsort(-jax.lax.stop_gradient(jnp.max(choices.probs, axis=1)), stable=True)
+        locations, counts = pallas_kernels.slot_positions(ids, num_experts, order, implementation=kernel_backend)
+    return choices, (locations, counts)

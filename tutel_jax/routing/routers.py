@@ -7,6 +7,8 @@ transformers 5.24 formulas, and a frozen-dataclass gate that owns the router's p
   init(key, model_dim, num_experts, dtype) -> {'weight': [E, M], ('bias': [E]), ('e_score_correction_bias': [E])}
   logits(params, x [S, M]) -> [S, E]        (float32 when `fp32_gate`, the default)
   select(params, logits, k) -> RouterChoices
+  kernel_gating(params, k, E) -> dict | None   (how `pallas_kernels.gating` reproduces `select`'s choices)
+  choices_for_ids(params, logits, ids [k, S]) -> RouterChoices   (`select`'s weights for given choices)
 
 `layer.route` turns the choices into a RoutingPlan with `plan_from_choices` (Tutel's slot order and capacity
 rules), so every router works with the capacity path (cf > 0, < 0), the dropless path (cf = 0, the default
@@ -30,7 +32,8 @@ from .gates import GATE_TYPES, torch_linear_init
 from .plan import RoutingPlan, align_capacity
 
 __all__ = [
-    "RouterChoices", "softmax_topk", "topk_softmax", "sigmoid_group_topk", "expert_choice_plan",
+    "RouterChoices", "softmax_topk", "softmax_choices", "topk_softmax", "sigmoid_group_topk", "sigmoid_choices",
+    "expert_choice_plan",
     "expert_choice_capacity", "SoftmaxRouter", "MixtralRouter", "Qwen3MoeRouter", "SwitchRouter", "GptOssRouter",
     "DeepSeekV3Router", "ExpertChoiceRouter", "AUX_LOSSES", "CORRECTION_BIAS", "trainable_mask",
 ]
@@ -76,9 +79,25 @@ def softmax_topk(logits: jax.Array, k: int, normalize: bool) -> RouterChoices:
     k = _check_k(k, logits.shape[1])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, ids = jax.lax.top_k(probs, k)
-    if normalize:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return RouterChoices(ids.T.astype(jnp.int32), top.T, probs)
+    return RouterChoices(ids.T.astype(jnp.int32), _renormalize(top, normalize).T, probs)
+
+
+def softmax_choices(logits: jax.Array, expert_ids: jax.Array, normalize: bool) -> RouterChoices:
+    """`softmax_topk`'s weights and probs for experts chosen elsewhere (e.g. by the fused gating kernel).
+
+    Args:
+      logits: [S, E] router logits; the weights are differentiable functions of them.
+      expert_ids: [k, S] int, the experts `softmax_topk` would choose (no gradient).
+      normalize: as in `softmax_topk`.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top = jnp.take_along_axis(probs, expert_ids.T, axis=1)  # [S, k]: the values top_k would return
+    return RouterChoices(expert_ids.astype(jnp.int32), _renormalize(top, normalize).T, probs)
+
+
+def _renormalize(top: jax.Array, normalize: bool) -> jax.Array:
+    """[S, k] chosen probabilities, divided by their sum when `normalize` (HF: no epsilon)."""
+    return top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
 
 
 def topk_softmax(logits: jax.Array, k: int) -> RouterChoices:
@@ -121,11 +140,7 @@ def sigmoid_group_topk(
     """
     num_tokens, num_experts = logits.shape
     k = _check_k(k, num_experts)
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group must be a positive integer dividing the number of experts {num_experts}, "
-                         f"got {n_group!r}")
-    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be an integer in [1, n_group={n_group}], got {topk_group!r}")
+    _check_groups(n_group, topk_group, num_experts)
     group_size = num_experts // n_group
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     biased = scores
@@ -140,12 +155,43 @@ def sigmoid_group_topk(
         expert_mask = jnp.repeat(group_mask, group_size, axis=1)
         biased = jnp.where(expert_mask, biased, jnp.float32(group_mask_value))
     _, ids = jax.lax.top_k(biased, k)
+    weights = _sigmoid_weights(scores, ids, normalize, routed_scaling_factor)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return RouterChoices(ids.T.astype(jnp.int32), weights.T, probs)
+
+
+def sigmoid_choices(logits: jax.Array, expert_ids: jax.Array, *, normalize: bool = True,
+                    routed_scaling_factor: float = 1.0) -> RouterChoices:
+    """`sigmoid_group_topk`'s weights and probs for experts chosen elsewhere (e.g. by the fused gating kernel).
+
+    Args:
+      logits: [S, E] router logits; the weights are differentiable functions of them.
+      expert_ids: [k, S] int, the experts `sigmoid_group_topk` would choose (no gradient).
+      normalize, routed_scaling_factor: as in `sigmoid_group_topk`.
+    """
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    weights = _sigmoid_weights(scores, expert_ids.T, normalize, routed_scaling_factor)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return RouterChoices(expert_ids.astype(jnp.int32), weights.T, probs)
+
+
+def _sigmoid_weights(scores: jax.Array, ids: jax.Array, normalize: bool, routed_scaling_factor: float
+                     ) -> jax.Array:
+    """[S, k] combine weights: the unbiased scores [S, E] of the chosen experts ids [S, k], divided by
+    `sum + 1e-20` when `normalize`, times `routed_scaling_factor`."""
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    weights = weights * routed_scaling_factor
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    return RouterChoices(ids.T.astype(jnp.int32), weights.T, probs)
+    return weights * routed_scaling_factor
+
+
+def _check_groups(n_group: int, topk_group: int, num_experts: int) -> None:
+    """Raises ValueError unless n_group divides E and 1 <= topk_group <= n_group (integers)."""
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must be a positive integer dividing the number of experts {num_experts}, "
+                         f"got {n_group!r}")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an integer in [1, n_group={n_group}], got {topk_group!r}")
 
 
 def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, alignment: int = 1) -> int:
@@ -265,6 +311,26 @@ class _LinearRouter:
             out = out + params["bias"].astype(out.dtype)
         return out
 
+    def kernel_gating(self, params, k: int, num_experts: int) -> dict | None:
+        """How the fused gating kernel reproduces this router's choices, or None when it cannot.
+
+        Returns the `pallas_kernels.gating` keyword arguments (score_fn, correction_bias, n_group, topk_group,
+        group_fill_value, normalize, routed_scaling_factor) under which the kernel picks exactly the expert ids
+        [k, S] of `select(params, logits, k)`, ties included; the layer then takes the kernel's ids and slots
+        and recomputes the weights with `choices_for_ids`. None (this default): not expressible, use `select`.
+        """
+        return None
+
+    def choices_for_ids(self, params, logits: jax.Array, expert_ids: jax.Array) -> RouterChoices:
+        """`select`'s weights [k, S] and probs [S, E] for the expert ids [k, S] `select` would choose (computed
+        elsewhere, e.g. by the kernel), differentiable in the logits [S, E] exactly as `select`'s."""
+        raise NotImplementedError(f"{type(self).__name__} has no kernel gating")
+
+
+def _overrides_select(gate: Any, cls: type) -> bool:
+    """True when `gate`'s class replaces `cls.select`: `cls.kernel_gating` no longer describes it."""
+    return type(gate).select is not cls.select
+
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxRouter(_LinearRouter):
@@ -274,6 +340,17 @@ class SoftmaxRouter(_LinearRouter):
 
     def select(self, params, logits, k):
         return softmax_topk(logits, k, self.norm_topk_prob)
+
+    def kernel_gating(self, params, k: int, num_experts: int) -> dict | None:
+        """Softmax scores, plain top-k: the kernel's choices are `softmax_topk`'s (same formula, lowest index
+        on ties). Its weights differ in rounding only (it guards the sum with eps and skips k = 1), which is
+        why the layer recomputes them."""
+        if not 1 <= k <= num_experts or _overrides_select(self, SoftmaxRouter):
+            return None  # `select` raises the error / a subclass selects its own way
+        return {"score_fn": "softmax", "normalize": self.norm_topk_prob}
+
+    def choices_for_ids(self, params, logits, expert_ids):
+        return softmax_choices(logits, expert_ids, self.norm_topk_prob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +381,11 @@ class GptOssRouter(_LinearRouter):
 
     def select(self, params, logits, k):
         return topk_softmax(logits, k)
+
+    def kernel_gating(self, params, k: int, num_experts: int) -> dict | None:
+        """None: top-k of the logits is not top-k of the kernel's softmax scores when two different logits
+        round to the same probability (e.g. both underflow to 0): the kernel then takes the lower index."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +419,32 @@ class DeepSeekV3Router(_LinearRouter):
             logits, k, params.get(CORRECTION_BIAS), n_group=self.n_group, topk_group=self.topk_group,
             normalize=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
             group_mask_value=self.group_mask_value)
+
+    def kernel_gating(self, params, k: int, num_experts: int) -> dict | None:
+        """Sigmoid scores, selection on scores + bias with the same group limit as `sigmoid_group_topk`.
+
+        None where the kernel could choose differently: an invalid k / grouping (`select` raises), groups of
+        one expert (the kernel's group score needs two), a NaN `group_mask_value`, or a -inf one with k larger
+        than the kept experts (the kernel's knocked-out experts would tie with the masked ones at -inf)."""
+        if not 1 <= k <= num_experts or _overrides_select(self, DeepSeekV3Router):
+            return None
+        try:
+            _check_groups(self.n_group, self.topk_group, num_experts)
+        except ValueError:
+            return None
+        group_size = num_experts // self.n_group
+        fill = float(self.group_mask_value)
+        if self.n_group > 1 and (group_size < 2 or math.isnan(fill)
+                                 or (fill == -math.inf and k > self.topk_group * group_size)):
+            return None
+        bias = params.get(CORRECTION_BIAS)
+        return {"score_fn": "sigmoid", "correction_bias": None if bias is None else jax.lax.stop_gradient(bias),
+                "n_group": self.n_group, "topk_group": self.topk_group, "group_fill_value": fill,
+                "normalize": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor}
+
+    def choices_for_ids(self, params, logits, expert_ids):
+        return sigmoid_choices(logits, expert_ids, normalize=self.norm_topk_prob,
+                               routed_scaling_factor=self.routed_scaling_factor)
 
 
 @dataclasses.dataclass(frozen=True)
