@@ -124,7 +124,8 @@ class CausalLM:
 
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
-                    progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert") -> CausalLM:
+                    progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
+                    kernel_backend: str | None = None) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
@@ -134,6 +135,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
     weights are replicated; under XLA's SPMD partitioner each device then runs its own experts on the tokens
     and the MoE outputs are all-reduced (expert weights are never gathered).
+    `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
+    dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
@@ -161,7 +164,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
             if dequantize or not source.fp8_block_supported():
                 source = DequantizedTensors(ckpt, config)
         place = None if mesh is None else MeshPlacement(mesh, expert_axis)
-        params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place)
+        params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place,
+                                          moe_options={"kernel_backend": kernel_backend})
     finally:
         if tensors is None:
             ckpt.close()

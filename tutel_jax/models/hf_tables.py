@@ -83,7 +83,7 @@ def _take(tensors: Mapping[str, np.ndarray], name: str, cast: Callable, shape: t
 
 def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], spec: DecoderSpec,
                 dtype: Any = jnp.float32, progress: bool | None = None,
-                place: Callable | None = None) -> tuple[dict, tuple]:
+                place: Callable | None = None, moe_options: Mapping[str, Any] | None = None) -> tuple[dict, tuple]:
     """(params, moe_configs): the model's parameter pytree and, per layer, its MoEConfig (None: dense layer).
 
     tensors: the checkpoint by on-disk name (e.g. `safetensors_io.open_checkpoint(dir)`), read lazily; every
@@ -91,6 +91,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
     progress: a per-layer progress bar (None: only when stderr is a terminal).
     place: `place(part, value, dtype)` puts each tensor on devices as it is read (`placement.MeshPlacement`;
       part 'dense' or the MoE block's 'gates' / 'experts' / 'shared_experts'); default: the default device.
+    moe_options: more `make_config` arguments for every MoE layer (e.g. kernel_backend, dropless_impl).
     """
     disable = None if progress is None else not progress  # tqdm: None = off unless stderr is a terminal
     from tqdm.auto import tqdm
@@ -109,7 +110,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
                                                    shapes["post_attention_layernorm"])}
         if spec.ffn[i] == "moe":
             moe_config, layer["moe"] = hf_moe_block(tensors, config, i, capacity_factor=0.0,
-                                                    dtype=jnp.dtype(dtype).name, place=place)
+                                                    dtype=jnp.dtype(dtype).name, place=place, **(moe_options or {}))
             moe_configs.append(moe_config)
         else:
             mp = p + _mlp_prefix(spec)
