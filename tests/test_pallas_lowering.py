@@ -56,6 +56,11 @@ def _cases():
         cases[f"quant_gmm_{fmt}"] = (
             lambda x, w, g: pk.quant_gmm(x, w, g, implementation="pallas"),
             [SDS((S, K), BF16), _quantized(fmt, (G, N, K)), SDS((G,), I32)], 1)
+    modelopt = _quantized("nvfp4", (G, N, K))  # ModelOpt: the global scale multiplies the accumulator
+    cases["quant_gmm_nvfp4_modelopt"] = (
+        lambda x, w, g: pk.quant_gmm(x, w, g, implementation="pallas"),
+        [SDS((S, K), F32), type(modelopt)(modelopt.packed, modelopt.scale, modelopt.global_scale, True),
+         SDS((G,), I32)], 1)
     return cases
 
 
