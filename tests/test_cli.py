@@ -86,3 +86,11 @@ def test_generate_argument_errors(tmp_path, capsys):
             main(["generate", str(HF / "qwen3_moe"), *argv])
         assert ex.value.code == 2
     assert "one of the arguments --ids --prompt is required" in capsys.readouterr().err
+
+
+def test_generate_bad_checkpoint_is_one_line_and_quantized_memory_is_reported(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--ids", "1,2"]) == 2  # no config.json
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot load") and "no config.json" in err and "Traceback" not in err
+    assert main(["generate", str(HF / "qwen3_moe_nvfp4"), "--ids", "1,2", "--max-new-tokens", "2"]) == 0
+    assert "(nvfp4) = 0.28" in capsys.readouterr().out

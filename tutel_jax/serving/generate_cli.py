@@ -124,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    from tutel_jax.models import from_pretrained
+    from tutel_jax.models import from_pretrained, memory_report
     from tutel_jax.serving import generate
     from tutel_jax.serving.tokenizer import eos_token_ids
 
-    model = from_pretrained(args.checkpoint)
+    try:
+        model = from_pretrained(args.checkpoint, progress=None)
+    except (ValueError, OSError) as e:  # a bad checkpoint: one line, no traceback
+        print(f"error: cannot load {args.checkpoint}: {e}", file=sys.stderr)
+        return 2
+    if model.spec.ffn.count("moe"):
+        print(f"{model.spec.model_type}: {memory_report(model)}")
     try:
         ids, mask = _batch(prompts, model.spec.vocab_size)
     except ValueError as e:
