@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a bad checkpoint: one line, no traceback
         print(f"error: cannot load {args.checkpoint}: {e}", file=sys.stderr)
         return 2
-    if model.spec.ffn.count("moe"):
+    if model.spec.ffn.count("moe") and model.config.get("quantization_config"):
         print(f"{model.spec.model_type}: {memory_report(model)}")
     try:
         ids, mask = _batch(prompts, model.spec.vocab_size)
