@@ -24,6 +24,8 @@ pytest.importorskip("uvicorn", reason="needs the `serve` extra")
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3_moe"
 REPO = Path(__file__).resolve().parents[1]
+# the subprocess server's --batching (continuous by default; TUTEL_TEST_BATCHING=bucketed tests the other engine)
+BATCHING = os.environ.get("TUTEL_TEST_BATCHING", "continuous")
 
 
 def _free_port() -> int:
@@ -40,6 +42,7 @@ def server(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", str(FIXTURE), "--host", "127.0.0.1",
                              "--port", str(port), "--max_batch_size", "16", "--batch_wait_ms", "10",
+                             "--batching", BATCHING,
                              "--log_level", "info"],
                             cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -154,6 +157,48 @@ def test_short_streamed_request_finishes_before_a_long_one_in_its_batch(server, 
     assert t_short < t_long
     # the long one was still streaming when the short one ended (not answered together at the batch's end)
     assert sum(a <= t_short for a in arrivals) < 100
+
+
+def test_request_sent_while_another_runs_is_answered_first(client, model):
+    """Continuous batching: a short request sent after a long streamed one has started joins the running batch
+    and is answered while the long one is still streaming (a bucketed server would make it wait)."""
+    if BATCHING != "continuous":
+        pytest.skip("continuous batching only")
+    long_p, short_p = [5, 17, 99], [8, 6, 7, 5]
+    ref_long, ref_short = _offline(model, [long_p, short_p], 120)
+    started, long_toks, short_done = threading.Event(), [], []
+
+    def long_stream():
+        for c in client.completions.create(model="m", prompt=long_p, max_tokens=120, temperature=0, stream=True):
+            long_toks.extend(c.choices[0].token_ids)
+            started.set()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        f = ex.submit(long_stream)
+        assert started.wait(60)
+        r = client.completions.create(model="m", prompt=short_p, max_tokens=3, temperature=0)
+        short_done.append(len(long_toks))
+        f.result()
+    assert r.choices[0].token_ids == ref_short[:3]
+    assert long_toks == ref_long
+    assert short_done[0] < 120, "the short request was answered only after the long one had finished"
+
+
+def test_seeded_sampling_does_not_depend_on_concurrent_traffic(client):
+    kw = {"model": "m", "prompt": [4, 5, 6], "max_tokens": 8, "temperature": 0.8, "seed": 99, "n": 2}
+    alone = [c.token_ids for c in client.completions.create(**kw).choices]
+    rng = np.random.default_rng(1)
+    others = [rng.integers(0, 128, size=int(rng.integers(1, 20))).tolist() for _ in range(8)]
+
+    def busy(i):
+        return client.completions.create(model="m", prompt=others[i], max_tokens=12, temperature=[0, 1.0][i % 2])
+
+    with concurrent.futures.ThreadPoolExecutor(9) as ex:
+        futures = [ex.submit(busy, i) for i in range(8)]
+        time.sleep(0.02)  # the seeded request arrives while the others run
+        again = [c.token_ids for c in client.completions.create(**kw).choices]
+        [f.result() for f in futures]
+    assert again == alone and alone[0] != alone[1]
 
 
 def test_multiple_prompts_n_and_seed(client, model):

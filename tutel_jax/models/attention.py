@@ -29,6 +29,8 @@ def cache_dims(spec: DecoderSpec) -> tuple[int, int, int]:
 
 
 def _with_cache(k, v, cache, ctx: AttnContext):
+    """(keys, values, new cache): k/v [B, T, H, D] alone without a cache, else written into the cache at
+    ctx.index ([] or per row [B]) and the whole cache [B, L, H, D] returned as the keys and values."""
     if cache is None:
         return k, v, None
     ck, cv = write_cache(cache["k"], k, ctx.index), write_cache(cache["v"], v, ctx.index)

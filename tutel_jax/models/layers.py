@@ -102,8 +102,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
 
 
 class AttnContext(NamedTuple):
-    """Where the T new tokens sit. positions [B, T] (RoPE); index [] int32: cache slot of the first new token
-    (0 without a cache); key_valid [B, L] bool: slots holding real tokens (padding False)."""
+    """Where the T new tokens sit. positions [B, T] (RoPE); index: cache slot of the first new token, either
+    [] int32 shared by all rows (0 without a cache) or [B] int32, each row's own slot (continuous batching);
+    key_valid [B, L] bool: slots holding real tokens (padding False)."""
 
     positions: jax.Array
     index: jax.Array
@@ -111,8 +112,17 @@ class AttnContext(NamedTuple):
 
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """cache [B, L, H, D] with new [B, T, H, D] written at slots index .. index+T-1."""
-    return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, index, 0, 0))
+    """cache [B, L, H, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row).
+
+    As with `dynamic_update_slice`, a start index is clamped so that the T slots fit in L."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
+
+    def row_update(c, n, i):  # c [L, H, D], n [T, H, D], i []
+        return jax.lax.dynamic_update_slice(c, n, (i, 0, 0))
+
+    return jax.vmap(row_update)(cache, new, index.astype(jnp.int32))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: float, *,
@@ -120,20 +130,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
     """Causal (optionally sliding-window) attention of the new queries over all key slots.
 
     q [B, T, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> [B, T, Hq, Dv]. Query t sits in slot index + t
-    and sees slot s iff s <= index + t, key_valid[s], and (window) index + t - s < window. Padding slots being
-    contiguous at the start of a row, slot distances equal position distances. sinks [Hq]: a per-head logit
-    joining the softmax and then dropped (GPT-OSS). A query with no visible key gets a finite (garbage) output.
+    (ctx.index [] or [B]: per row) and sees slot s iff s <= index + t, key_valid[s], and (window)
+    index + t - s < window. Padding slots being contiguous at the start of a row, slot distances equal
+    position distances. sinks [Hq]: a per-head logit joining the softmax and then dropped (GPT-OSS). A query
+    with no visible key gets a finite (garbage) output.
     """
     B, T, Hq, _ = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     q = q.reshape(B, T, Hkv, Hq // Hkv, q.shape[-1])
     s = jnp.einsum("btgrd,blgd->bgrtl", q, k).astype(jnp.float32) * scale
-    q_slot = ctx.index + jnp.arange(T)
+    q_slot = jnp.asarray(ctx.index)[..., None] + jnp.arange(T)  # [T] or [B, T]
     k_slot = jnp.arange(L)
-    allowed = k_slot[None, :] <= q_slot[:, None]
+    allowed = k_slot <= q_slot[..., None]  # [T, L] or [B, T, L]
     if window is not None:
-        allowed &= (q_slot[:, None] - k_slot[None, :]) < window
-    allowed = allowed[None] & ctx.key_valid[:, None, :]  # [B, T, L]
+        allowed &= (q_slot[..., None] - k_slot) < window
+    allowed = allowed & ctx.key_valid[:, None, :]  # [B, T, L]
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(jnp.float32).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, Hq // Hkv)[None, :, :, None, None],

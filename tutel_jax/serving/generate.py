@@ -26,7 +26,7 @@ import numpy as np
 
 from ..models.layers import AttnContext
 
-__all__ = ["GenerationResult", "generate", "left_align", "sample_next"]
+__all__ = ["GenerationResult", "generate", "left_align", "sample_next", "sample_rows"]
 
 
 @dataclasses.dataclass
@@ -85,6 +85,35 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_k: in
         cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, neg, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """`sample_next` with per-row parameters: next tokens [B] int32 from logits [B, V].
+
+    keys [B] (one PRNG key per row), temperature [B] float (0: argmax), top_k [B] int (<= 0: off),
+    top_p [B] float (>= 1: off). A row's token depends only on its own logits, key and parameters (never on
+    the other rows), so a row can be reproduced from its seed whatever batch it runs in."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        V = logits.shape[-1]
+        neg = jnp.finfo(jnp.float32).min
+        temp = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+        x = logits.astype(jnp.float32) / temp[:, None]
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.int32)
+        kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
+        x = jnp.where(x < kth, neg, x)
+        sorted_x = jnp.where(sorted_x < kth, neg, sorted_x)  # the top-k (ties kept), still sorted
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        cutoff = jnp.min(jnp.where(before < top_p[:, None], sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where((top_p[:, None] < 1.0) & (x < cutoff), neg, x)
+        tok = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x).astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
 
 
 def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling):

@@ -7,12 +7,17 @@ Prompts are token-id lists (or lists of them); text prompts need a tokenizer.jso
 `tokenizers` package; chat needs a tokenizer plus a chat template (tokenizer_config.json) and `jinja2`.
 Choices always carry the generated ids as the extra field `token_ids` (`text` is "" without a tokenizer).
 
-Requests are queued and a background worker thread gathers up to --max_batch_size rows within --batch_wait_ms,
+Requests are queued for a background worker thread. Continuous batching (--batching continuous, the default;
+`continuous.ContinuousBatcher`): each request's rows (prompt x n) take free rows of one persistent KV cache
+(--max_batch_size rows x --max_len slots) at the next decode step, are prefilled, and then advance with every
+decode step over all rows; a row leaves at a stop token, a stop string or its max_tokens and its cache row is
+reused, so a request arriving while others run starts at once and is answered when its own rows are done.
+Sampled rows draw from their own seed (a random one when the request has none), whatever else is running.
+Bucketed batching (--batching bucketed): the worker gathers up to --max_batch_size rows within --batch_wait_ms,
 groups compatible ones (greedy with greedy; sampled ones by temperature/top_p; a seeded sampled request runs
 alone so its result depends only on its seed), pads the batch (rows to a power of two, prompt columns to a
-multiple of 16: fewer recompiles) and runs one `generate` call. The worker follows every row token by token
-(generate's stream_callback): a row is done at a stop token, a stop string or its request's max_tokens; a
-request is answered as soon as all its rows are done, and the batch stops when all its requests are.
+multiple of 16: fewer recompiles) and runs one `generate` call, following every row token by token; a request
+is answered as soon as all its rows are done, and requests arriving meanwhile wait for the next batch.
 `stream: true` sends each token as its own server-sent event as soon as it is produced (text deltas decode the
 whole sequence so far, so multi-byte characters split over tokens come out whole; text that may still turn into
 a stop string is held back until it is decided).
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -68,8 +75,13 @@ def _bad(message: str, param: str | None = None, code: str | None = "invalid_val
 
 @dataclasses.dataclass
 class ServerConfig:
-    max_batch_size: int = 16        # rows (prompts x n) per generate call
-    batch_wait_ms: float = 5.0      # how long the worker gathers requests after the first one
+    max_batch_size: int = 16        # rows (prompts x n) per generate call / continuous cache rows
+    batch_wait_ms: float = 5.0      # bucketed: how long the worker gathers requests after the first one
+    batching: str = "continuous"    # or "bucketed"
+    max_len: int | None = None      # continuous: cache slots per row (default: the context, at most 2048);
+                                    # it also caps prompt + max_tokens
+    row_buckets: bool = True        # continuous: a decode step runs only the leading power-of-two rows that
+                                    # hold running requests (one compile per power of two)
     max_queue: int = 256            # requests waiting or running; beyond: 429
     max_tokens_limit: int = 512     # upper bound on a request's max_tokens
     max_n: int = 16
@@ -235,9 +247,10 @@ class QueueFull(Exception):
     pass
 
 
-class Engine:
-    """Background worker: collects Jobs, runs one `generate` per compatible batch and resolves each job's
-    future as soon as its rows are done (`codec` decodes text: stop strings and streamed deltas)."""
+class _Worker:
+    """The job queue and background worker thread shared by both batching engines: `submit` queues a Job (or
+    raises QueueFull beyond cfg.max_queue jobs waiting or running, APIError 503 once stopping); `stop` lets the
+    worker finish what is queued and running, then joins it. Subclasses implement `_loop` and `warmup`."""
 
     def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0, codec: TextCodec | None = None):
         self.model, self.cfg, self.pad, self.codec = model, cfg, pad_token_id, codec
@@ -279,6 +292,25 @@ class Engine:
                     job.future.set_exception(APIError(503, "server is shutting down", code="shutting_down",
                                                       type="server_error"))
             self._pending = []
+
+    def _loop(self):
+        raise NotImplementedError
+
+    def warmup(self, job: Job) -> list[Completion]:
+        """Runs a job to compile its shapes (called before the server answers; blocks)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {"batches_run": self.batches_run}
+
+
+class Engine(_Worker):
+    """Bucketed dynamic batching: the worker gathers compatible Jobs, runs one `generate` per batch and resolves
+    each job's future as soon as its rows are done (`codec` decodes text: stop strings and streamed deltas).
+    Jobs arriving while a batch runs wait for the next one. batches_run counts `generate` calls."""
+
+    def warmup(self, job: Job) -> list[Completion]:
+        return self.run_batch([job])[0]
 
     def _take_batch(self) -> list[Job] | None:
         with self._cv:
@@ -374,6 +406,111 @@ class Engine:
                     job.future.set_result([row.result for row in mine])
 
 
+class ContinuousEngine(_Worker):
+    """Continuous batching (`continuous.ContinuousBatcher`): every job's rows (prompt x n) become slot requests
+    admitted into free cache rows at the next decode step, so a request arriving while others run starts at
+    once and each one is answered when its own rows are done. Greedy rows equal offline `generate`; a sampled
+    row's token t uses fold_in(fold_in(key(seed), row index in its job), t), so seeded results do not depend
+    on other traffic (unseeded jobs draw a random seed). batches_run counts busy periods (from an admission
+    into an idle engine until it is idle again); decode_steps the decode steps run. cfg.row_buckets: decode
+    steps run only the leading power-of-two rows holding running requests (see ContinuousBatcher)."""
+
+    def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0, codec: TextCodec | None = None,
+                 max_len: int = 256):
+        super().__init__(model, cfg, pad_token_id, codec)
+        self.max_len = max_len
+        self.batcher = None
+        self._jobs: dict[int, tuple[Job, list[_Row]]] = {}  # running jobs by id(job)
+
+    def start(self):
+        from .continuous import ContinuousBatcher
+        self.batcher = ContinuousBatcher(self.model, self.cfg.max_batch_size, self.max_len,
+                                         row_buckets=self.cfg.row_buckets)
+        super().start()
+
+    def warmup(self, job: Job) -> list[Completion]:
+        self.submit(job)
+        return job.future.result()
+
+    def stats(self) -> dict:
+        return {"batches_run": self.batches_run,
+                "decode_steps": 0 if self.batcher is None else self.batcher.decode_steps}
+
+    def _loop(self):
+        b = self.batcher
+        while True:
+            with self._cv:
+                while not self._pending and b.idle and not self._stop:
+                    self._cv.wait()
+                if not self._pending and b.idle:  # stopping, and everything is answered
+                    break
+                jobs, self._pending = self._pending, []
+            if jobs and b.idle:
+                self.batches_run += 1
+            for job in jobs:
+                self._admit(job)
+            try:
+                b.step()
+            except Exception as e:  # report to the running clients, keep serving with a fresh cache
+                log.exception("decode step failed")
+                b.reset()
+                self._fail_running(APIError(500, f"generation failed: {e}", code="internal_error",
+                                            type="server_error"))
+            self._resolve()
+        self._fail_pending()
+
+    def _admit(self, job: Job):
+        """Queues the job's rows in the batcher (one Request per prompt x choice)."""
+        from .continuous import Request
+        seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(4), "little")
+        rows, reqs = [], []
+        for k, prompt in enumerate(p for p in job.prompts for _ in range(job.n)):
+            row = _Row(job, k, self.codec)
+            rows.append(row)
+            reqs.append(Request(prompt=list(prompt), max_new_tokens=job.max_tokens, temperature=job.temperature,
+                                top_p=job.top_p, seed=seed, sample_id=k, on_token=functools.partial(_on_token, row)))
+        self._jobs[id(job)] = (job, rows)
+        try:
+            for req in reqs:
+                self.batcher.add(req)
+        except ValueError as e:  # cannot happen after the server's checks; never leave the request hanging
+            self.batcher.waiting = collections.deque(r for r in self.batcher.waiting if r not in reqs)
+            del self._jobs[id(job)]
+            self._finish_job(job, exc=_bad(str(e), "max_tokens", "context_length_exceeded"))
+
+    def _resolve(self):
+        """Resolves the future of every running job whose rows are all done."""
+        for key, (job, rows) in list(self._jobs.items()):
+            if all(row.result is not None for row in rows):
+                del self._jobs[key]
+                self._finish_job(job, result=[row.result for row in rows])
+
+    def _fail_running(self, exc: APIError):
+        for job, _ in self._jobs.values():
+            self._finish_job(job, exc=exc)
+        self._jobs = {}
+
+    def _finish_job(self, job: Job, result=None, exc: Exception | None = None):
+        if not job.future.done():
+            if exc is not None:
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+        with self._cv:
+            self._inflight -= 1
+
+
+def _on_token(row: _Row, token: int) -> bool:
+    """A slot request's token callback: feeds the server row; True (free the slot) once the row is done or its
+    client went away."""
+    if row.result is None:
+        if row.job.cancelled:
+            row.finish()
+        else:
+            row.push(token)
+    return row.result is not None
+
+
 # ----------------------------------------------------------------------------------------------------- validation
 
 def _int(body: dict, name: str, default, lo: int, hi: int) -> int:
@@ -417,8 +554,15 @@ class Server:
         self.vocab = v if isinstance(v, int) else None
         self.eos = eos_token_ids(path, model.config)
         pad = model.config.get("pad_token_id")
+        pad = pad if isinstance(pad, int) else 0
         self.codec = TextCodec(path)
-        self.engine = Engine(model, cfg, pad if isinstance(pad, int) else 0, self.codec)
+        if cfg.batching == "continuous":
+            self.context = min(self.context, cfg.max_len or 2048)  # a request must fit one cache row
+            self.engine = ContinuousEngine(model, cfg, pad, self.codec, max_len=self.context)
+        elif cfg.batching == "bucketed":
+            self.engine = Engine(model, cfg, pad, self.codec)
+        else:
+            raise ValueError(f"batching must be 'continuous' or 'bucketed', got {cfg.batching!r}")
         self.name = cfg.model_name or path.name
         self.created = int(time.time())
 
@@ -550,9 +694,12 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
         if warmup:  # compile the programs before answering /health
             shapes = [(b, t) for b in (cfg.warmup_batch_sizes or [1]) for t in (cfg.warmup_prompt_lens or [1])]
             for b, t in shapes:
-                job = Job([[0] * min(t, srv.context - 2)] * b, 1, cfg.warmup_max_tokens, 0.0, None, None,
-                          concurrent.futures.Future())
-                await asyncio.to_thread(srv.engine.run_batch, [job])
+                p = min(t, srv.context - 2)
+                max_tokens = cfg.warmup_max_tokens
+                if cfg.batching == "continuous":  # a continuous request must fit a cache row
+                    max_tokens = max(1, min(max_tokens, srv.context - p))
+                job = Job([[0] * p] * b, 1, max_tokens, 0.0, None, None, concurrent.futures.Future())
+                await asyncio.to_thread(srv.engine.warmup, job)
             log.info("warmed up %d batch shapes", len(shapes))
         yield
         srv.engine.stop()
@@ -585,7 +732,8 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "in_flight": srv.engine._inflight, "batches_run": srv.engine.batches_run}
+        return {"status": "ok", "batching": cfg.batching, "in_flight": srv.engine._inflight,
+                **srv.engine.stats()}
 
     @app.get("/v1/models")
     async def models():
@@ -693,16 +841,30 @@ def main(argv=None):
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_batch_size", type=int, default=16)
-    p.add_argument("--batch_wait_ms", type=float, default=5.0)
+    p.add_argument("--batching", choices=["continuous", "bucketed"], default="continuous",
+                   help="continuous: requests join and leave a running decode batch at every step (default); "
+                        "bucketed: compatible requests are gathered into one generate call at a time")
+    p.add_argument("--max_batch_size", type=int, default=16,
+                   help="rows (prompts x n) decoded together (continuous: the KV cache's rows)")
+    p.add_argument("--max_len", type=int, default=None,
+                   help="continuous: KV cache slots per row, which caps prompt + max_tokens (default: the "
+                        "model's context, at most 2048)")
+    p.add_argument("--row_buckets", action=argparse.BooleanOptionalAction, default=True,
+                   help="continuous: each decode step runs only the leading power-of-two rows that hold running "
+                        "requests (cheaper steps at low load; one decode compile per power of two, compiled "
+                        "at startup for the --warmup_batch_sizes); --no-row_buckets: always all rows, one "
+                        "compile")
+    p.add_argument("--batch_wait_ms", type=float, default=5.0, help="bucketed: how long a batch is gathered")
     p.add_argument("--max_queue", type=int, default=256)
     p.add_argument("--max_tokens", type=int, default=512, help="upper bound on a request's max_tokens")
     p.add_argument("--model_name", default=None)
     p.add_argument("--no_warmup", action="store_true")
     p.add_argument("--warmup_batch_sizes", type=int, nargs="*", default=None,
-                   help="batch sizes to compile at startup (rows are padded to powers of two; default 1)")
+                   help="batch sizes to compile at startup (rows are padded to powers of two; continuous: "
+                        "prefill group sizes; default 1)")
     p.add_argument("--warmup_prompt_lens", type=int, nargs="*", default=None,
-                   help="prompt lengths to compile at startup (padded to multiples of 16; default 1)")
+                   help="prompt lengths to compile at startup (bucketed: padded to multiples of 16; continuous: "
+                        "to powers of two >= 16; default 1)")
     p.add_argument("--warmup_max_tokens", type=int, default=2,
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
@@ -711,6 +873,7 @@ def main(argv=None):
     logging.basicConfig(level=a.log_level.upper())
     import uvicorn
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
+                       batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
                        warmup_max_tokens=a.warmup_max_tokens)
