@@ -23,6 +23,7 @@ from .routing.plan import RoutingPlan
 
 __all__ = [
     "encode", "decode", "fast_encode", "fast_decode", "buffer_slots", "grouped_slots", "group_row_experts",
+    "assignment_weights",
 ]
 
 
@@ -162,6 +163,13 @@ def _encode_weights(plan: RoutingPlan, is_postscore: bool) -> jax.Array:
 
 def _decode_weights(plan: RoutingPlan, is_postscore: bool) -> jax.Array:
     return plan.gates if is_postscore else jnp.ones_like(plan.gates)
+
+
+def assignment_weights(plan: RoutingPlan, is_postscore: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(input weights, output weights) [k, S] of every assignment (gates on one side, ones on the other),
+    zero for assignments the plan does not keep (dropped or padding tokens)."""
+    keep = plan.kept.astype(plan.gates.dtype)
+    return _encode_weights(plan, is_postscore) * keep, _decode_weights(plan, is_postscore) * keep
 
 
 def _kernel_op(name: str, backend: str | None, top_k: int):

@@ -12,8 +12,12 @@
   the top bucket (4x the balanced load) the call falls back to the ragged path, so memory stays bounded by
   4 x k*S*M rows whatever the routing. Every branch is compiled (about len(buckets) x the expert compile time).
 
-`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', or 'auto' ('bucketed' on
-CPU for experts that have `grouped`, needed by the fallback; 'ragged' on other backends). Expert parallelism
+'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
+  (`experts.gathered`): for a few tokens (decode) only the chosen experts' weights are read, instead of all E.
+
+`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'gather', or 'auto'
+(on CPU 'gather' when k*S <= E/2 and the experts have `gathered`, else 'bucketed' for experts that have `grouped`,
+needed by the fallback; 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
 """
 
@@ -88,11 +92,23 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
     return jax.lax.switch(index, branches)
 
 
-def resolve_impl(impl: str, experts: Any) -> str:
-    """'auto' -> 'bucketed' on CPU when the experts have `grouped` (for the overflow fallback), else 'ragged'."""
+IMPLS = ("auto", "ragged", "bucketed", "gather")
+
+
+def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:
+    """'auto' on CPU: 'gather' when the k*S assignments are at most half the experts and the experts have
+    `gathered` (decode: read only the chosen experts' weights), else 'bucketed' when they have `grouped` (for the
+    overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
-        has_grouped = callable(getattr(experts, "grouped", None))
-        return "bucketed" if (jax.default_backend() == "cpu" and has_grouped) else "ragged"
-    if impl not in ("ragged", "bucketed"):
-        raise ValueError(f"dropless_impl must be 'auto', 'ragged' or 'bucketed', got {impl!r}")
+        if jax.default_backend() != "cpu":
+            return "ragged"
+        few = num_assignments is not None and num_experts is not None and 2 * num_assignments <= num_experts
+        if few and callable(getattr(experts, "gathered", None)):
+            return "gather"
+        return "bucketed" if callable(getattr(experts, "grouped", None)) else "ragged"
+    if impl not in IMPLS:
+        raise ValueError(f"dropless_impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "gather" and not callable(getattr(experts, "gathered", None)):
+        raise ValueError(f"dropless_impl='gather' needs experts with a gathered() method; "
+                         f"{type(experts).__name__} has none")
     return impl

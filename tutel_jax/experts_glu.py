@@ -63,6 +63,12 @@ class SwiGLUExperts:
         h = _grouped_matmul(x, w.reshape(w.shape[0], w.shape[1], -1), group_sizes, self.kernel_backend)
         return _grouped_matmul(self._glu(h), params["down_proj"], group_sizes, self.kernel_backend)
 
+    def gathered(self, params, x, expert_ids):
+        """x [R, M], expert_ids [R] -> [R, M_out]: row r through expert expert_ids[r] (weights gathered per row)."""
+        w = params["gate_up_proj"][expert_ids]  # [R, M, 2, I]
+        h = jnp.einsum("rm,rmn->rn", x, w.reshape(w.shape[0], w.shape[1], -1).astype(x.dtype))
+        return jnp.einsum("ri,rio->ro", self._glu(h), params["down_proj"][expert_ids].astype(x.dtype))
+
     def hidden_axes(self, params):
         return {"gate_up_proj": 3, "down_proj": 1}
 
@@ -115,6 +121,14 @@ class GptOssExperts:
         h = h + params["gate_up_proj_bias"].astype(h.dtype)[rows]
         y = _grouped_matmul(self._glu(h), params["down_proj"], group_sizes, self.kernel_backend)
         return y + params["down_proj_bias"].astype(y.dtype)[rows]
+
+    def gathered(self, params, x, expert_ids):
+        """x [R, M], expert_ids [R] -> [R, M_out]: row r through expert expert_ids[r] (weights gathered per row)."""
+        dtype = x.dtype
+        h = jnp.einsum("rm,rmn->rn", x, params["gate_up_proj"][expert_ids].astype(dtype))
+        h = h + params["gate_up_proj_bias"][expert_ids].astype(dtype)
+        y = jnp.einsum("ri,rio->ro", self._glu(h), params["down_proj"][expert_ids].astype(dtype))
+        return y + params["down_proj_bias"][expert_ids].astype(dtype)
 
     def hidden_axes(self, params):
         # interleaved gate/up: each contiguous block of 2I/r columns holds whole (gate, up) pairs

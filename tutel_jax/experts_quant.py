@@ -52,6 +52,12 @@ class QuantSwiGLUExperts:
         h = self.activation_fn(qw.batched(x, params["gate_proj"])) * qw.batched(x, params["up_proj"])
         return qw.batched(h, params["down_proj"])
 
+    def gathered(self, params, x, expert_ids):
+        """x [R, M], expert_ids [R] -> [R, M_out]: only the R chosen experts' packed weights are dequantized."""
+        h = (self.activation_fn(qw.gathered(x, params["gate_proj"], expert_ids))
+             * qw.gathered(x, params["up_proj"], expert_ids))
+        return qw.gathered(h, params["down_proj"], expert_ids)
+
     def grouped(self, params, x, group_sizes):
         impl = self.kernel_backend
         h = (self.activation_fn(qw.grouped(x, params["gate_proj"], group_sizes, impl))
@@ -93,6 +99,12 @@ class QuantGptOssExperts:
         h = qw.batched(x, params["gate_up_proj"]) + params["gate_up_proj_bias"][:, None, :].astype(x.dtype)
         y = qw.batched(self._glu(h), params["down_proj"])
         return y + params["down_proj_bias"][:, None, :].astype(x.dtype)
+
+    def gathered(self, params, x, expert_ids):
+        h = qw.gathered(x, params["gate_up_proj"], expert_ids)
+        h = h + params["gate_up_proj_bias"][expert_ids].astype(x.dtype)
+        y = qw.gathered(self._glu(h), params["down_proj"], expert_ids)
+        return y + params["down_proj_bias"][expert_ids].astype(x.dtype)
 
     def grouped(self, params, x, group_sizes):
         rows = group_row_experts(group_sizes, x.shape[0])

@@ -179,7 +179,10 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
     capacity path at the smallest static bucket holding every assignment ('bucketed', see `tutel_jax.dropless`)."""
     experts = config.experts
     grouped = getattr(experts, "grouped", None)
-    if dropless.resolve_impl(config.dropless_impl, experts) == "bucketed":
+    impl = dropless.resolve_impl(config.dropless_impl, experts, plan.top_k * x.shape[0], plan.num_experts)
+    if impl == "gather":
+        return _run_gathered(expert_params, x, plan, config)
+    if impl == "bucketed":
         caps = dropless.bucket_capacities(x.shape[0], plan.num_experts, plan.top_k)
         if grouped is not None:  # bounded padding: beyond 4x the balanced load, fall back to the ragged path
             overflow = (lambda: _run_ragged(expert_params, x, plan, config)) if caps[-1] < x.shape[0] else None
@@ -197,6 +200,15 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
                              "capacity, dropless_impl='bucketed', or call outside jit.") from None
         return run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
     return _run_ragged(expert_params, x, plan, config)
+
+
+def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    """Dropless for a few tokens: the k*S assignments [k*S, M] each through their own expert (`gathered`)."""
+    k, num_tokens = plan.expert_ids.shape
+    enc, dec = dispatch.assignment_weights(plan, config.is_postscore)  # [k, S] each, 0 for unkept assignments
+    rows = (x.astype(enc.dtype)[None] * enc[..., None]).reshape(k * num_tokens, -1).astype(x.dtype)
+    out = config.experts.gathered(expert_params, rows, plan.expert_ids.reshape(-1))  # [k*S, M_out]
+    return jnp.sum(out.reshape(k, num_tokens, -1).astype(dec.dtype) * dec[..., None], axis=0)
 
 
 def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:

@@ -6,6 +6,7 @@ A quantized weight is one of `pallas_kernels.quant`'s containers (`Fp8BlockWeigh
   dense(x [..., in], w [out, in])                     -> [..., out]   (attention / dense MLP projections)
   grouped(x [T, in], w [E, out, in], group_sizes [E]) -> [T, out]     (MoE experts, rows sorted by expert)
   batched(x [E, C, in], w [E, out, in])               -> [E, C, out]  (MoE capacity buffers)
+  gathered(x [R, in], w [E, out, in], expert_ids [R]) -> [R, out]     (a few rows: only their experts are read)
 
 `implementation` follows `pallas_kernels`: "auto" runs the dequantizing Pallas kernel on a GPU and the XLA
 reference (dequantize in float32, then matmul) elsewhere; "xla", "pallas" or "interpret" force one. Plain
@@ -20,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FORMATS", "is_quantized", "check_format", "dense", "grouped", "batched", "dequantize", "quantize",
-           "to_jax", "stack", "logical_shape", "resident_bytes"]
+__all__ = ["FORMATS", "is_quantized", "check_format", "dense", "grouped", "batched", "gathered", "dequantize",
+           "quantize", "to_jax", "stack", "logical_shape", "resident_bytes"]
 
 FORMATS = ("fp8_block", "mxfp4", "nvfp4")
 
@@ -65,6 +66,13 @@ def batched(x: jax.Array, w: Any) -> jax.Array:
     """x [E, C, in] @ w[E, out, in] per expert -> [E, C, out] (the capacity path dequantizes in XLA)."""
     full = dequantize(w, x.dtype) if is_quantized(w) else w.astype(x.dtype)
     return jnp.einsum("eci,eoi->eco", x, full)
+
+
+def gathered(x: jax.Array, w: Any, expert_ids: jax.Array) -> jax.Array:
+    """x [R, in] @ w[expert_ids[r]].T per row -> [R, out]; only the R chosen experts' (packed) weights are read
+    and dequantized."""
+    rows = jax.tree_util.tree_map(lambda a: a[expert_ids], w) if is_quantized(w) else w[expert_ids]
+    return jnp.einsum("ri,roi->ro", x, dequantize(rows, x.dtype))
 
 
 def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:

@@ -125,7 +125,7 @@ class CausalLM:
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
-                    kernel_backend: str | None = None) -> CausalLM:
+                    kernel_backend: str | None = None, dropless_impl: str = "auto") -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
@@ -137,6 +137,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     and the MoE outputs are all-reduced (expert weights are never gathered).
     `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
+    `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the gathered path for a few
+    tokens and the bucketed one otherwise, ragged on GPUs).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
@@ -165,7 +167,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                 source = DequantizedTensors(ckpt, config)
         place = None if mesh is None else MeshPlacement(mesh, expert_axis)
         params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place,
-                                          moe_options={"kernel_backend": kernel_backend})
+                                          moe_options={"kernel_backend": kernel_backend, "dropless_impl": dropless_impl})
     finally:
         if tensors is None:
             ckpt.close()

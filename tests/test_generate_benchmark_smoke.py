@@ -1,0 +1,38 @@
+"""benchmarks/generate.py runs end to end in its quick mode (tiny model, tutel-jax only) and writes its result
+files; timings are not asserted beyond being positive. One batch size keeps the compiles (prefill, decode step,
+two on-device programs) to a few seconds of CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generate_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "generate.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--no-hf", "--batch", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "generate" and result["quick"] is True
+    assert result["hf"]["skipped"]  # --no-hf: tutel-jax alone, and the report says why
+    assert result["settings"]["model"]["experts"] > 1 and result["num_params"] > 0
+    assert result["machine"]["cpu_count"] >= 1
+    assert [r["batch"] for r in result["results"]] == result["settings"]["batches"]
+    for row in result["results"]:
+        assert row["tutel_best_mode"] in ("host", "device")
+        assert set(row["systems"]) == {"tutel_host", "tutel_device"}
+        assert 0 <= row["host_vs_device_token_mismatches"] <= row["batch"] * result["settings"]["new_tokens"]
+        for stats in row["systems"].values():
+            assert stats["generate_tok_s"] > 0 and stats["time_s"] > 0 and stats["prefill_s"] > 0
+        assert row["tutel"]["generate_tok_s"] == max(s["generate_tok_s"] for s in row["systems"].values())
+        assert "hf" not in row and "ratio_generate" not in row
+    text = out.with_suffix(".md").read_text()
+    assert "tutel-jax tok/s" in text and "HF skipped" in text and text.count("|") > 10
