@@ -62,3 +62,24 @@ def test_auto_picks_gather_for_few_assignments_on_cpu():
         dropless.resolve_impl("gather", ffn.experts)
     with pytest.raises(ValueError, match="dropless_impl"):
         make_config({"type": "top", "k": 1}, 8, EXPERTS["swiglu"], dropless_impl="dense")
+
+
+@pytest.mark.parametrize("experts", ["swiglu", "gpt_oss", "swiglu_mxfp4"])
+def test_bucketed_skipping_idle_experts_equals_ragged(experts, monkeypatch):
+    """k*S <= 2E on CPU: the bucketed path runs one expert at a time and skips idle ones; same outputs and
+    (float experts) gradients as the ragged path and as the all-experts bucketed path."""
+    x = jax.random.normal(jax.random.key(3), (10, 64))  # k*S = 20 <= 2E = 32
+    assert dropless.skips_idle_experts(20, 16)
+    results = {}
+    for impl, skip in (("ragged", False), ("bucketed", True), ("bucketed", False)):
+        monkeypatch.setattr(dropless, "skips_idle_experts", lambda a, e, skip=skip: skip)
+        config, params = _layer(experts, GATES[0], impl)
+        loss = lambda p, x: jnp.sum(moe_apply(p, x, config, capacity_factor=0.0)[0] ** 2)
+        y = moe_apply(params, x, config, capacity_factor=0.0)[0]
+        g = jax.grad(loss, argnums=1)(params, x) if "mxfp4" not in experts else None
+        results[(impl, skip)] = (np.asarray(y), g)
+    ref_y, ref_g = results[("ragged", False)]
+    for key in (("bucketed", True), ("bucketed", False)):
+        np.testing.assert_allclose(results[key][0], ref_y, rtol=1e-5, atol=1e-5)
+        if ref_g is not None:
+            np.testing.assert_allclose(np.asarray(results[key][1]), np.asarray(ref_g), rtol=1e-5, atol=1e-5)

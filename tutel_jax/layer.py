@@ -189,8 +189,10 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
         else:  # no grouped(): the ladder goes up to S, which always fits
             caps = caps + ((x.shape[0],) if caps[-1] < x.shape[0] else ())
             overflow = None
+        # few assignments per expert (decode): many experts get none; skip their weights instead of reading them
+        skip = dropless.skips_idle_experts(plan.top_k * x.shape[0], plan.num_experts)
         return dropless.run_bucketed(
-            plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config), overflow)
+            plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config, skip_idle=skip), overflow)
     if grouped is None:
         try:
             capacity = int(plan.capacity)  # concrete outside jit: use an exactly sized buffer
@@ -200,6 +202,17 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
                              "capacity, dropless_impl='bucketed', or call outside jit.") from None
         return run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
     return _run_ragged(expert_params, x, plan, config)
+
+
+def _batched_skipping_idle(experts, expert_params, buf: jax.Array, counts: jax.Array) -> jax.Array:
+    """experts.batched over buf [E, C, M] one expert at a time (lax.map); experts with counts[e] == 0 output zeros
+    without touching their weights (every parameter leaf leads with E)."""
+    def one(e):
+        params_e = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=True), expert_params)
+        run = lambda: experts.batched(params_e, jax.lax.dynamic_index_in_dim(buf, e, keepdims=True))[0]
+        shape = jax.eval_shape(run)
+        return jax.lax.cond(counts[e] > 0, run, lambda: jnp.zeros(shape.shape, shape.dtype))
+    return jax.lax.map(one, jnp.arange(buf.shape[0]))
 
 
 def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
@@ -217,9 +230,15 @@ def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.A
     return dispatch.unpermute(out, plan, config.is_postscore, config.kernel_backend)
 
 
-def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig, skip_idle: bool = False
+                         ) -> jax.Array:
+    """Capacity path: encode into [E, C, M], run the experts, decode. `skip_idle`: one expert at a time, skipping
+    (not reading the weights of) experts that received no token."""
     buf = dispatch.fast_encode(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)  # [E, C, M]
-    out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
+    if skip_idle:
+        out = _batched_skipping_idle(config.experts, expert_params, buf, plan.dispatch_count)
+    else:
+        out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
     return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
 
