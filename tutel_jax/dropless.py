@@ -11,6 +11,8 @@
   path's. Padding is at most 25% over the max count up to 2x balance, then at most 50%. When the max count exceeds
   the top bucket (4x the balanced load) the call falls back to the ragged path, so memory stays bounded by
   4 x k*S*M rows whatever the routing. Every branch is compiled (about len(buckets) x the expert compile time).
+  On CPU with k*S <= 2E (decode) the experts run one at a time and idle ones are skipped, so their weights are
+  not read (`skips_idle_experts`).
 
 'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
   (`experts.gathered`): for a few tokens (decode) only the chosen experts' weights are read, instead of all E.
