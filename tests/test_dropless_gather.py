@@ -83,3 +83,23 @@ def test_bucketed_skipping_idle_experts_equals_ragged(experts, monkeypatch):
         np.testing.assert_allclose(results[key][0], ref_y, rtol=1e-5, atol=1e-5)
         if ref_g is not None:
             np.testing.assert_allclose(np.asarray(results[key][1]), np.asarray(ref_g), rtol=1e-5, atol=1e-5)
+
+
+def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):
+    """Identical tokens all pick the same experts (count S > the 4x-balanced top bucket): on CPU the ladder
+    reaches S for a small [E, S, M] buffer instead of falling back to ragged_dot; same result as ragged."""
+    import tutel_jax.layer as layer
+
+    assert dropless.extend_for_cpu((4, 8), 40, 16, 256) == (4, 8, 16, 40)
+    assert dropless.extend_for_cpu((4, 8), 40, 16, dropless.CPU_FULL_BUFFER_BYTES) == (4, 8)  # too big
+    x = jnp.tile(jax.random.normal(jax.random.key(4), (1, 64)), (40, 1))
+    config, params = _layer("swiglu", GATES[0], "ragged")
+    ref = np.asarray(moe_apply(params, x, config, capacity_factor=0.0)[0])
+    config, params = _layer("swiglu", GATES[0], "bucketed")
+
+    def no_ragged(*args):
+        raise AssertionError("the ragged fallback ran")
+
+    monkeypatch.setattr(layer, "_run_ragged", no_ragged)
+    got = np.asarray(moe_apply(params, x, config, capacity_factor=0.0)[0])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

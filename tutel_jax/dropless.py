@@ -12,7 +12,8 @@
   the top bucket (4x the balanced load) the call falls back to the ragged path, so memory stays bounded by
   4 x k*S*M rows whatever the routing. Every branch is compiled (about len(buckets) x the expert compile time).
   On CPU with k*S <= 2E (decode) the experts run one at a time and idle ones are skipped, so their weights are
-  not read (`skips_idle_experts`).
+  not read (`skips_idle_experts`); and while an [E, S, M] buffer is small the ladder continues to S instead of
+  falling back (`extend_for_cpu`: the short prompt whose tokens crowd onto a few experts).
 
 'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
   (`experts.gathered`): for a few tokens (decode) only the chosen experts' weights are read, instead of all E.
@@ -33,7 +34,8 @@ import jax.numpy as jnp
 
 from .routing.plan import RoutingPlan, align_capacity
 
-__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "skips_idle_experts"]
+__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "skips_idle_experts",
+           "extend_for_cpu"]
 
 BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -95,6 +97,21 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
 
 
 IMPLS = ("auto", "ragged", "bucketed", "gather")
+
+
+#: on CPU the bucket ladder reaches S (no ragged fallback) while the [E, S, M] buffer stays below this
+CPU_FULL_BUFFER_BYTES = 64 * 2**20
+
+
+def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int, row_bytes: int) -> tuple[int, ...]:
+    """On CPU, where ragged_dot is dense-masked, the ladder continues (2x its top, then S) instead of falling back
+    to the ragged path, when an [E, S, M] buffer of `row_bytes`-byte rows is at most CPU_FULL_BUFFER_BYTES
+    (e.g. the prefill of a short prompt whose tokens crowd onto a few experts)."""
+    caps = tuple(capacities)
+    if (jax.default_backend() != "cpu" or caps[-1] >= num_tokens
+            or num_experts * num_tokens * row_bytes > CPU_FULL_BUFFER_BYTES):
+        return caps
+    return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
 
 
 def skips_idle_experts(num_assignments: int, num_experts: int) -> bool:

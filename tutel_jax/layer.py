@@ -184,6 +184,7 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
         return _run_gathered(expert_params, x, plan, config)
     if impl == "bucketed":
         caps = dropless.bucket_capacities(x.shape[0], plan.num_experts, plan.top_k)
+        caps = dropless.extend_for_cpu(caps, x.shape[0], plan.num_experts, x.shape[1] * x.dtype.itemsize)
         if grouped is not None:  # bounded padding: beyond 4x the balanced load, fall back to the ragged path
             overflow = (lambda: _run_ragged(expert_params, x, plan, config)) if caps[-1] < x.shape[0] else None
         else:  # no grouped(): the ladder goes up to S, which always fits
