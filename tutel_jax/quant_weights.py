@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "grouped", "batched", "gathered", "dequantize",
            "quantize", "to_jax", "stack", "logical_shape", "resident_bytes"]
@@ -98,7 +99,6 @@ def to_jax(a: Any, dtype: Any) -> Any:
 
 def stack(values: list) -> Any:
     """Stacks per-expert arrays, or per-expert containers field by field, on a new leading axis (NumPy)."""
-    import numpy as np
     return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values)
 
 

@@ -195,15 +195,13 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
     params = {"gates": [{n: place("gates", v, gate_dtype(n)) for n, v in gate_params.items()}],
               "experts": {n: place("experts", v, moe_config.dtype) for n, v in expert_params.items()}}
     if shared_params is not None:
-        params["shared_experts"] = jax_tree_map(lambda v: place("shared_experts", v, moe_config.dtype),
+        params["shared_experts"] = _tree_map(lambda v: place("shared_experts", v, moe_config.dtype),
                                                 shared_params)
     return moe_config, params
 
 
 def _check_against_template(moe_config, params) -> None:
     """The loaded tree must have exactly the layout and shapes `init_params` gives for this config."""
-    import jax
-
     from ..layer import init_params
 
     template = jax.eval_shape(lambda: init_params(moe_config, jax.random.key(0)))
@@ -257,12 +255,10 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
     return out
 
 
-def jax_tree_map(fn, tree: Any) -> Any:
+def _tree_map(fn, tree: Any) -> Any:
     """tree_map that keeps quantized containers whole."""
-    import jax
     return jax.tree_util.tree_map(fn, tree, is_leaf=quant_weights.is_quantized)
 
 
 def _leaves(tree: Any) -> list:
-    import jax
     return jax.tree_util.tree_leaves(tree, is_leaf=quant_weights.is_quantized)
