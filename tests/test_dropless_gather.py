@@ -76,13 +76,49 @@ def test_bucketed_skipping_idle_experts_equals_ragged(experts, monkeypatch):
         config, params = _layer(experts, GATES[0], impl)
         loss = lambda p, x: jnp.sum(moe_apply(p, x, config, capacity_factor=0.0)[0] ** 2)
         y = moe_apply(params, x, config, capacity_factor=0.0)[0]
-        g = jax.grad(loss, argnums=1)(params, x) if "mxfp4" not in experts else None
+        g = jax.grad(loss, argnums=(0, 1))(params, x) if "mxfp4" not in experts else None
         results[(impl, skip)] = (np.asarray(y), g)
     ref_y, ref_g = results[("ragged", False)]
     for key in (("bucketed", True), ("bucketed", False)):
         np.testing.assert_allclose(results[key][0], ref_y, rtol=1e-5, atol=1e-5)
         if ref_g is not None:
-            np.testing.assert_allclose(np.asarray(results[key][1]), np.asarray(ref_g), rtol=1e-5, atol=1e-5)
+            for a, b in zip(jax.tree_util.tree_leaves(results[key][1]), jax.tree_util.tree_leaves(ref_g)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_skipping_idle_experts_runs_only_the_used_ones(monkeypatch):
+    """The skipping loop runs each used expert once and no idle one: a counting wrapper around the experts sees
+    exactly the distinct chosen experts, and NaN weights in every idle expert leave the output finite."""
+    import dataclasses
+
+    from tutel_jax.layer import route
+
+    monkeypatch.setattr(dropless, "skips_idle_experts", lambda a, e: True)
+    config, params = _layer("swiglu", GATES[0], "bucketed")
+    x = jax.random.normal(jax.random.key(5), (3, 64))  # 6 assignments over 16 experts
+    plan, _ = route(params["gates"][0], x, config, capacity_factor=0.0)
+    used = np.unique(np.asarray(plan.expert_ids))
+    ran = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def batched(self, p, buf):
+            jax.debug.callback(lambda n: ran.append(int(n)), buf.shape[0])
+            return self.inner.batched(p, buf)
+
+    counting = dataclasses.replace(config, experts=Counting(config.experts))
+    idle = np.setdiff1d(np.arange(16), used)
+    poisoned = jax.tree_util.tree_map(lambda a: a.at[idle].set(jnp.nan), params["experts"])
+    y = moe_apply({**params, "experts": poisoned}, x, counting, capacity_factor=0.0)[0]
+    jax.effects_barrier()
+    assert ran == [1] * len(used) and 0 < len(used) < 16
+    ref = moe_apply(params, x, config, capacity_factor=0.0)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
 def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):

@@ -8,6 +8,7 @@ and per-call switches static.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -206,14 +207,51 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
 
 
 def _batched_skipping_idle(experts, expert_params, buf: jax.Array, counts: jax.Array) -> jax.Array:
-    """experts.batched over buf [E, C, M] one expert at a time (lax.map); experts with counts[e] == 0 output zeros
-    without touching their weights (every parameter leaf leads with E)."""
-    def one(e):
-        params_e = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=True), expert_params)
-        run = lambda: experts.batched(params_e, jax.lax.dynamic_index_in_dim(buf, e, keepdims=True))[0]
-        shape = jax.eval_shape(run)
-        return jax.lax.cond(counts[e] > 0, run, lambda: jnp.zeros(shape.shape, shape.dtype))
-    return jax.lax.map(one, jnp.arange(buf.shape[0]))
+    """experts.batched over buf [E, C, M] -> [E, C, M_out], running only the experts with counts[e] > 0.
+
+    A loop over the used experts' ids (used first, in order): each iteration slices one expert's weights and
+    runs it on its C rows, so an idle expert's weights are never read and costs nothing; its rows are zeros.
+    Every parameter leaf leads with E. Differentiable: the backward pass is that of the all-experts `batched`
+    with the idle experts' outputs masked to zero (the same function)."""
+    return _skip_idle_loop(experts, expert_params, buf, counts)
+
+
+def _masked_batched(experts, expert_params, buf, counts):
+    """All experts at once, idle experts' outputs zeroed: the function `_skip_idle_loop` computes."""
+    out = experts.batched(expert_params, buf)
+    return jnp.where((counts > 0)[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _skip_idle_loop(experts, expert_params, buf, counts):
+    used = counts > 0
+    order = jnp.argsort(~used, stable=True)  # the used experts' ids first, ascending
+    shape = jax.eval_shape(lambda: experts.batched(
+        jax.tree_util.tree_map(lambda a: a[:1], expert_params), buf[:1]))
+
+    def one(i, out):
+        e = order[i]
+        params_e = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=True),
+                                          expert_params)
+        y = experts.batched(params_e, jax.lax.dynamic_index_in_dim(buf, e, keepdims=True))
+        return jax.lax.dynamic_update_index_in_dim(out, y.astype(out.dtype), e, 0)
+
+    out = jnp.zeros((buf.shape[0],) + shape.shape[1:], shape.dtype)
+    return jax.lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), one, out)
+
+
+def _skip_idle_fwd(experts, expert_params, buf, counts):
+    return _skip_idle_loop(experts, expert_params, buf, counts), (expert_params, buf, counts)
+
+
+def _skip_idle_bwd(experts, residuals, g):
+    expert_params, buf, counts = residuals
+    _, vjp = jax.vjp(lambda p, b: _masked_batched(experts, p, b, counts), expert_params, buf)
+    d_params, d_buf = vjp(g)
+    return d_params, d_buf, None
+
+
+_skip_idle_loop.defvjp(_skip_idle_fwd, _skip_idle_bwd)
 
 
 def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
