@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new_tokens", type=int, default=None, help=f"new tokens (default {FULL.new_tokens})")
     parser.add_argument("--repeats", type=int, default=None, help=f"timed runs per variant (default {FULL.repeats})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dropless_impl", choices=("ragged", "bucketed", "gather", "auto"), default=None,
+    parser.add_argument("--dropless_impl", choices=("ragged", "bucketed", "loop", "gather", "auto"), default=None,
                         help="override the MoE layers' dropless implementation (default: as loaded)")
     parser.add_argument("--no-hf", dest="no_hf", action="store_true", help="measure tutel-jax alone")
     parser.add_argument("--quick", action="store_true", help="tiny model, batches 1 2, few tokens (smoke test)")

@@ -60,10 +60,11 @@ def _run(batcher, schedule):
 
 
 def test_vector_index_equals_per_row_scalar_index():
-    """write_cache / attend with index [B] equal each row run with its own scalar index (window included)."""
+    """write_cache / attend with index [B] equal each row run with its own scalar index (window included;
+    the cache bit for bit, attention within float32 rounding)."""
     rng = np.random.default_rng(0)
     B, T, L, H, D = 3, 2, 10, 2, 4
-    cache = jnp.asarray(rng.normal(size=(B, L, H, D)), jnp.float32)
+    cache = jnp.asarray(rng.normal(size=(B, H, L, D)), jnp.float32)
     new = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
     q = jnp.asarray(rng.normal(size=(B, T, 2 * H, D)), jnp.float32)
     index = jnp.asarray([0, 5, 8], jnp.int32)
@@ -75,7 +76,9 @@ def test_vector_index_equals_per_row_scalar_index():
         ref = write_cache(cache[b:b + 1], new[b:b + 1], index[b])
         np.testing.assert_array_equal(out[b:b + 1], ref)
         ctx_b = AttnContext(ctx.positions[b:b + 1], index[b], valid[b:b + 1])
-        np.testing.assert_array_equal(att[b:b + 1], attend(q[b:b + 1], ref, ref, ctx_b, 0.5, window=4))
+        # float32: a batch of 3 and a batch of 1 may round the attention matmuls differently (last bit)
+        np.testing.assert_allclose(att[b:b + 1], attend(q[b:b + 1], ref, ref, ctx_b, 0.5, window=4),
+                                   rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

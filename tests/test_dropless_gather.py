@@ -1,6 +1,6 @@
-"""The 'gather' dropless path (each assignment through its own expert's gathered weights) equals the ragged
-path for float and quantized SwiGLU / GPT-OSS experts, outputs and gradients (float32: 1e-5); 'auto' picks it
-on CPU only for k*S <= E/2."""
+"""The 'gather' (each assignment through its own expert's gathered weights) and 'loop' (the used experts one
+at a time) dropless paths equal the ragged path for float and quantized SwiGLU / GPT-OSS experts, outputs and
+gradients (float32: 1e-5); 'auto' picks 'loop' on CPU for k*S <= 4E."""
 
 from __future__ import annotations
 
@@ -52,52 +52,70 @@ def test_gather_gradients_equal_ragged(experts):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_picks_gather_for_few_assignments_on_cpu():
+def test_auto_picks_loop_for_few_assignments_on_cpu():
     config, _ = _layer("swiglu", GATES[0], "auto")
-    assert dropless.resolve_impl("auto", config.experts, num_assignments=8, num_experts=16) == "gather"
-    assert dropless.resolve_impl("auto", config.experts, num_assignments=9, num_experts=16) == "bucketed"
+    assert dropless.resolve_impl("auto", config.experts, num_assignments=64, num_experts=16) == "loop"
+    assert dropless.resolve_impl("auto", config.experts, num_assignments=65, num_experts=16) == "bucketed"
     ffn = make_config({"type": "top", "k": 1}, 8, {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8})
-    assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "bucketed"
+    assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "loop"
     with pytest.raises(ValueError, match="gathered"):
         dropless.resolve_impl("gather", ffn.experts)
     with pytest.raises(ValueError, match="dropless_impl"):
         make_config({"type": "top", "k": 1}, 8, EXPERTS["swiglu"], dropless_impl="dense")
 
 
-@pytest.mark.parametrize("experts", ["swiglu", "gpt_oss", "swiglu_mxfp4"])
-def test_bucketed_skipping_idle_experts_equals_ragged(experts, monkeypatch):
-    """k*S <= 2E on CPU: the bucketed path runs one expert at a time and skips idle ones; same outputs and
-    (float experts) gradients as the ragged path and as the all-experts bucketed path."""
-    x = jax.random.normal(jax.random.key(3), (10, 64))  # k*S = 20 <= 2E = 32
-    assert dropless.skips_idle_experts(20, 16)
+@pytest.mark.parametrize("gate", GATES, ids=["tutel_top2", "deepseek_top3"])
+@pytest.mark.parametrize("experts", ["swiglu", "gpt_oss", "swiglu_mxfp4", "gpt_oss_fp8"])
+def test_loop_equals_ragged(experts, gate):
+    """'loop' (the used experts one at a time, in row chunks) equals the ragged path: outputs, and gradients
+    for the parameters and the input (float experts) or the input (packed experts); float32: 1e-5."""
+    x = jax.random.normal(jax.random.key(3), (10, 64))  # k*S = 20 or 30 rows over 16 experts
+    packed = "_" in experts
     results = {}
-    for impl, skip in (("ragged", False), ("bucketed", True), ("bucketed", False)):
-        monkeypatch.setattr(dropless, "skips_idle_experts", lambda a, e, skip=skip: skip)
-        config, params = _layer(experts, GATES[0], impl)
-        loss = lambda p, x: jnp.sum(moe_apply(p, x, config, capacity_factor=0.0)[0] ** 2)
+    for impl in ("ragged", "loop"):
+        config, params = _layer(experts, gate, impl)
+        loss = lambda p, x: jnp.sum(jnp.sin(moe_apply(p, x, config, capacity_factor=0.0)[0]))
         y = moe_apply(params, x, config, capacity_factor=0.0)[0]
-        g = jax.grad(loss, argnums=(0, 1))(params, x) if "mxfp4" not in experts else None
-        results[(impl, skip)] = (np.asarray(y), g)
-    ref_y, ref_g = results[("ragged", False)]
-    for key in (("bucketed", True), ("bucketed", False)):
-        np.testing.assert_allclose(results[key][0], ref_y, rtol=1e-5, atol=1e-5)
-        if ref_g is not None:
-            for a, b in zip(jax.tree_util.tree_leaves(results[key][1]), jax.tree_util.tree_leaves(ref_g)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        g = jax.grad(loss, argnums=1)(params, x) if packed else jax.grad(loss, argnums=(0, 1))(params, x)
+        results[impl] = (np.asarray(y), g)
+    np.testing.assert_allclose(results["loop"][0], results["ragged"][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(results["loop"][1]), jax.tree_util.tree_leaves(results["ragged"][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def test_skipping_idle_experts_runs_only_the_used_ones(monkeypatch):
-    """The skipping loop runs each used expert once and no idle one: a counting wrapper around the experts sees
-    exactly the distinct chosen experts, and NaN weights in every idle expert leave the output finite."""
+@pytest.mark.parametrize("chunk", [1, 2, 8])
+def test_expert_loop_equals_grouped(chunk):
+    """expert_loop.grouped equals experts.grouped for groups of 0..5 rows, any chunk size (values and VJP)."""
+    from tutel_jax import expert_loop
+
+    config, params = _layer("gpt_oss", GATES[0], "ragged")
+    sizes = jnp.asarray([3, 0, 1, 0, 5, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1], jnp.int32)
+    rows = jax.random.normal(jax.random.key(6), (int(sizes.sum()), 64))
+    ours = lambda p, r: expert_loop.grouped(config.experts, p, r, sizes, chunk)
+    ref = lambda p, r: config.experts.grouped(p, r, sizes)
+    np.testing.assert_allclose(np.asarray(ours(params["experts"], rows)), np.asarray(ref(params["experts"], rows)),
+                               rtol=1e-5, atol=1e-5)
+    ct = jax.random.normal(jax.random.key(7), rows.shape)
+    g_ours = jax.vjp(ours, params["experts"], rows)[1](ct)
+    g_ref = jax.vjp(ref, params["experts"], rows)[1](ct)
+    for a, b in zip(jax.tree_util.tree_leaves(g_ours), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert expert_loop.chunk_rows(32, 32) == 2 and expert_loop.chunk_rows(128, 32) == 4
+    assert expert_loop.chunk_rows(4, 32) == 2 and expert_loop.chunk_rows(4096, 32) == 8
+
+
+def test_loop_runs_only_the_used_experts():
+    """The loop runs each used expert's chunks and no idle expert: a counting wrapper around the experts sees
+    one call per chunk of the distinct chosen experts, and NaN weights in every idle expert leave the output
+    equal to the ragged path's (with clean weights)."""
     import dataclasses
 
     from tutel_jax.layer import route
 
-    monkeypatch.setattr(dropless, "skips_idle_experts", lambda a, e: True)
-    config, params = _layer("swiglu", GATES[0], "bucketed")
+    config, params = _layer("swiglu", GATES[0], "loop")
     x = jax.random.normal(jax.random.key(5), (3, 64))  # 6 assignments over 16 experts
     plan, _ = route(params["gates"][0], x, config, capacity_factor=0.0)
-    used = np.unique(np.asarray(plan.expert_ids))
+    used, counts = np.unique(np.asarray(plan.expert_ids), return_counts=True)
     ran = []
 
     class Counting:
@@ -116,9 +134,10 @@ def test_skipping_idle_experts_runs_only_the_used_ones(monkeypatch):
     poisoned = jax.tree_util.tree_map(lambda a: a.at[idle].set(jnp.nan), params["experts"])
     y = moe_apply({**params, "experts": poisoned}, x, counting, capacity_factor=0.0)[0]
     jax.effects_barrier()
-    assert ran == [1] * len(used) and 0 < len(used) < 16
-    ref = moe_apply(params, x, config, capacity_factor=0.0)[0]
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    assert len(ran) == int(np.sum(-(-counts // 2))) and 0 < len(used) < 16  # chunks of 2 rows
+    ref_config, _ = _layer("swiglu", GATES[0], "ragged")
+    ref = moe_apply(params, x, ref_config, capacity_factor=0.0)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):

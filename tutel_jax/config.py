@@ -39,8 +39,9 @@ class MoEConfig:
       dropless_impl: how capacity_factor == 0 runs on one device: 'ragged' (the default: sort +
         `lax.ragged_dot`, no padding at all), 'bucketed' (the capacity path at the smallest of a few static
         capacities >= the max count: bounded padding, much faster on CPU, where ragged_dot is dense-masked),
-        'gather' (each assignment through its own expert's gathered weights: reads only the chosen experts, for
-        a few tokens), or 'auto' (on CPU gather when k*S <= E/2, else bucketed; ragged elsewhere). See
+        'loop' (a loop over the used experts in small row chunks: idle experts are skipped and each used expert's
+        weights are read once; the CPU decode path), 'gather' (each assignment through its own expert's
+        gathered weights), or 'auto' (on CPU loop when k*S <= 4E, else bucketed; ragged elsewhere). See
         `tutel_jax.dropless`.
       kernel_backend: None (plain XLA), or a `pallas_kernels` implementation ('auto', 'pallas', 'interpret',
         'xla') for dispatch/combine and, when the experts take it, their grouped matmuls.
@@ -178,8 +179,9 @@ def make_config(
         raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
     if kernel_backend is not None and getattr(expert_net, "kernel_backend", kernel_backend) is None:
         expert_net = dataclasses.replace(expert_net, kernel_backend=kernel_backend)  # grouped matmuls too
-    if dropless_impl not in ("auto", "ragged", "bucketed", "gather"):
-        raise ValueError(f"dropless_impl must be 'auto', 'ragged', 'bucketed' or 'gather', got {dropless_impl!r}")
+    if dropless_impl not in ("auto", "ragged", "bucketed", "loop", "gather"):
+        raise ValueError(f"dropless_impl must be 'auto', 'ragged', 'bucketed', 'loop' or 'gather', "
+                         f"got {dropless_impl!r}")
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:

@@ -11,16 +11,19 @@
   path's. Padding is at most 25% over the max count up to 2x balance, then at most 50%. When the max count exceeds
   the top bucket (4x the balanced load) the call falls back to the ragged path, so memory stays bounded by
   4 x k*S*M rows whatever the routing. Every branch is compiled (about len(buckets) x the expert compile time).
-  On CPU with k*S <= 2E (decode) the experts run one at a time and idle ones are skipped, so their weights are
-  not read (`skips_idle_experts`); and while an [E, S, M] buffer is small the ladder continues to S instead of
-  falling back (`extend_for_cpu`: the short prompt whose tokens crowd onto a few experts).
+  On CPU, while an [E, S, M] buffer is small the ladder continues to S instead of falling back
+  (`extend_for_cpu`: the short prompt whose tokens crowd onto a few experts).
+
+'loop': the ragged path with the grouped matmul as a loop over the used experts in small row chunks
+  (`expert_loop.grouped`): idle experts cost nothing and each used expert's weights are read once. The CPU
+  decode path: a decode step is bound by reading the chosen experts' weights.
 
 'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
-  (`experts.gathered`): for a few tokens (decode) only the chosen experts' weights are read, instead of all E.
+  (`experts.gathered`).
 
-`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'gather', or 'auto'
-(on CPU 'gather' when k*S <= E/2 and the experts have `gathered`, else 'bucketed' for experts that have `grouped`,
-needed by the fallback; 'ragged' on other backends). Expert parallelism
+`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather', or
+'auto' (on CPU 'loop' when k*S <= 4E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
+'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
 """
 
@@ -34,8 +37,7 @@ import jax.numpy as jnp
 
 from .routing.plan import RoutingPlan, align_capacity
 
-__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "skips_idle_experts",
-           "extend_for_cpu"]
+__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "extend_for_cpu"]
 
 BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -96,7 +98,7 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
     return jax.lax.switch(index, branches)
 
 
-IMPLS = ("auto", "ragged", "bucketed", "gather")
+IMPLS = ("auto", "ragged", "bucketed", "gather", "loop")
 
 
 #: on CPU the bucket ladder reaches S (no ragged fallback) while the [E, S, M] buffer stays below this
@@ -114,22 +116,20 @@ def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int,
     return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
 
 
-def skips_idle_experts(num_assignments: int, num_experts: int) -> bool:
-    """On CPU, with k*S <= 2E assignments (over 13% of the experts get none on average), the bucketed path runs
-    the experts one at a time and skips the idle ones' weights (decode is bound by reading weights)."""
-    return jax.default_backend() == "cpu" and num_assignments <= 2 * num_experts
+#: on CPU 'auto' loops over the used experts ('loop') while k*S is at most this many times E (decode)
+CPU_LOOP_MAX_ROWS_PER_EXPERT = 4
 
 
 def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:
-    """'auto' on CPU: 'gather' when the k*S assignments are at most half the experts and the experts have
-    `gathered` (decode: read only the chosen experts' weights), else 'bucketed' when they have `grouped` (for the
-    overflow fallback); 'ragged' on other backends."""
+    """'auto' on CPU: 'loop' when the k*S assignments are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each
+    used expert's weights read once, idle experts skipped), else 'bucketed' when the experts have `grouped` (for
+    the overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
         if jax.default_backend() != "cpu":
             return "ragged"
-        few = num_assignments is not None and num_experts is not None and 2 * num_assignments <= num_experts
-        if few and callable(getattr(experts, "gathered", None)):
-            return "gather"
+        if (num_assignments is not None and num_experts is not None
+                and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
+            return "loop"
         return "bucketed" if callable(getattr(experts, "grouped", None)) else "ragged"
     if impl not in IMPLS:
         raise ValueError(f"dropless_impl must be one of {IMPLS}, got {impl!r}")

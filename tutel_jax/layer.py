@@ -8,7 +8,6 @@ and per-call switches static.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 
 from . import dispatch
 from . import dropless
+from . import expert_loop
 from .config import MoEConfig
 from .losses import gshard_loss, load_importance_loss
 from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
@@ -183,6 +183,9 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
     impl = dropless.resolve_impl(config.dropless_impl, experts, plan.top_k * x.shape[0], plan.num_experts)
     if impl == "gather":
         return _run_gathered(expert_params, x, plan, config)
+    if impl == "loop":
+        return _run_ragged(expert_params, x, plan, config,
+                           grouped=lambda p, rows, sizes: expert_loop.grouped(experts, p, rows, sizes))
     if impl == "bucketed":
         caps = dropless.bucket_capacities(x.shape[0], plan.num_experts, plan.top_k)
         caps = dropless.extend_for_cpu(caps, x.shape[0], plan.num_experts, x.shape[1] * x.dtype.itemsize)
@@ -191,10 +194,7 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
         else:  # no grouped(): the ladder goes up to S, which always fits
             caps = caps + ((x.shape[0],) if caps[-1] < x.shape[0] else ())
             overflow = None
-        # few assignments per expert (decode): many experts get none; skip their weights instead of reading them
-        skip = dropless.skips_idle_experts(plan.top_k * x.shape[0], plan.num_experts)
-        return dropless.run_bucketed(
-            plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config, skip_idle=skip), overflow)
+        return dropless.run_bucketed(plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config), overflow)
     if grouped is None:
         try:
             capacity = int(plan.capacity)  # concrete outside jit: use an exactly sized buffer
@@ -206,54 +206,6 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig)
     return _run_ragged(expert_params, x, plan, config)
 
 
-def _batched_skipping_idle(experts, expert_params, buf: jax.Array, counts: jax.Array) -> jax.Array:
-    """experts.batched over buf [E, C, M] -> [E, C, M_out], running only the experts with counts[e] > 0.
-
-    A loop over the used experts' ids (used first, in order): each iteration slices one expert's weights and
-    runs it on its C rows, so an idle expert's weights are never read and costs nothing; its rows are zeros.
-    Every parameter leaf leads with E. Differentiable: the backward pass is that of the all-experts `batched`
-    with the idle experts' outputs masked to zero (the same function)."""
-    return _skip_idle_loop(experts, expert_params, buf, counts)
-
-
-def _masked_batched(experts, expert_params, buf, counts):
-    """All experts at once, idle experts' outputs zeroed: the function `_skip_idle_loop` computes."""
-    out = experts.batched(expert_params, buf)
-    return jnp.where((counts > 0)[:, None, None], out, jnp.zeros((), out.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _skip_idle_loop(experts, expert_params, buf, counts):
-    used = counts > 0
-    order = jnp.argsort(~used, stable=True)  # the used experts' ids first, ascending
-    shape = jax.eval_shape(lambda: experts.batched(
-        jax.tree_util.tree_map(lambda a: a[:1], expert_params), buf[:1]))
-
-    def one(i, out):
-        e = order[i]
-        params_e = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=True),
-                                          expert_params)
-        y = experts.batched(params_e, jax.lax.dynamic_index_in_dim(buf, e, keepdims=True))
-        return jax.lax.dynamic_update_index_in_dim(out, y.astype(out.dtype), e, 0)
-
-    out = jnp.zeros((buf.shape[0],) + shape.shape[1:], shape.dtype)
-    return jax.lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), one, out)
-
-
-def _skip_idle_fwd(experts, expert_params, buf, counts):
-    return _skip_idle_loop(experts, expert_params, buf, counts), (expert_params, buf, counts)
-
-
-def _skip_idle_bwd(experts, residuals, g):
-    expert_params, buf, counts = residuals
-    _, vjp = jax.vjp(lambda p, b: _masked_batched(experts, p, b, counts), expert_params, buf)
-    d_params, d_buf = vjp(g)
-    return d_params, d_buf, None
-
-
-_skip_idle_loop.defvjp(_skip_idle_fwd, _skip_idle_bwd)
-
-
 def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
     """Dropless for a few tokens: the k*S assignments [k*S, M] each through their own expert (`gathered`)."""
     k, num_tokens = plan.expert_ids.shape
@@ -263,21 +215,17 @@ def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax
     return jnp.sum(out.reshape(k, num_tokens, -1).astype(dec.dtype) * dec[..., None], axis=0)
 
 
-def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig, grouped=None) -> jax.Array:
+    """permute -> grouped experts (`config.experts.grouped`, or `grouped(params, rows, sizes)`) -> unpermute."""
     rows = dispatch.permute(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)
-    out = config.experts.grouped(expert_params, rows, plan.dispatch_count)
+    out = (grouped or config.experts.grouped)(expert_params, rows, plan.dispatch_count)
     return dispatch.unpermute(out, plan, config.is_postscore, config.kernel_backend)
 
 
-def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig, skip_idle: bool = False
-                         ) -> jax.Array:
-    """Capacity path: encode into [E, C, M], run the experts, decode. `skip_idle`: one expert at a time, skipping
-    (not reading the weights of) experts that received no token."""
+def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    """Capacity path: encode into [E, C, M], run the experts, decode."""
     buf = dispatch.fast_encode(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)  # [E, C, M]
-    if skip_idle:
-        out = _batched_skipping_idle(config.experts, expert_params, buf, plan.dispatch_count)
-    else:
-        out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
+    out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
     return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
 

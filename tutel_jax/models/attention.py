@@ -4,7 +4,7 @@
 sliding window), GLM-4 MoE (q/k/v biases, optional q/k RMSNorm, partial rotary).
 `mla_attention`: DeepSeek-V3 multi-head latent attention (q LoRA, compressed kv, rope/nope split); the cache
 holds the decompressed per-head keys and values (simple, not the compressed latent).
-A layer's cache is {'k': [B, L, Hkv, Dk], 'v': [B, L, Hkv, Dv]} or None (no cache: L = T).
+A layer's cache is {'k': [B, Hkv, L, Dk], 'v': [B, Hkv, L, Dv]} (heads-major) or None (no cache: L = T).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def cache_dims(spec: DecoderSpec) -> tuple[int, int, int]:
 
 
 def _with_cache(k, v, cache, ctx: AttnContext):
-    """(keys, values, new cache): k/v [B, T, H, D] alone without a cache, else written into the cache at
-    ctx.index ([] or per row [B]) and the whole cache [B, L, H, D] returned as the keys and values."""
+    """(keys, values, new cache) from the new k/v [B, T, H, D]: without a cache the keys and values are k/v
+    themselves as [B, H, T, D]; with one they are written into it at ctx.index ([] or per row [B]) and the whole
+    cache [B, H, L, D] is returned as the keys and values."""
     if cache is None:
-        return k, v, None
+        return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), None
     ck, cv = write_cache(cache["k"], k, ctx.index), write_cache(cache["v"], v, ctx.index)
     return ck, cv, {"k": ck, "v": cv}
 
@@ -46,13 +47,16 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int | None) 
 
 def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
                   spec: DecoderSpec, layer: int, cache: dict | None = None):
-    """x [B, T, M] -> ([B, T, M], new cache). p: q/k/v/o_proj [out, in], optional *_bias, q_norm / k_norm [D],
-    sinks [Hq]."""
+    """x [B, T, M] -> ([B, T, M], new cache). p (see `param_layout`): qkv_proj (fused kernel) [+ qkv_bias], or
+    q/k/v_proj [+ q/k/v_bias] (quantized); o_proj [+ o_bias]; q_norm / k_norm [D]; sinks [Hq]."""
     B, T, _ = x.shape
-    D = spec.head_dim
-    q = linear(x, p["q_proj"], p.get("q_bias")).reshape(B, T, spec.num_heads, D)
-    k = linear(x, p["k_proj"], p.get("k_bias")).reshape(B, T, spec.num_kv_heads, D)
-    v = linear(x, p["v_proj"], p.get("v_bias")).reshape(B, T, spec.num_kv_heads, D)
+    D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    if "qkv_proj" in p:
+        qkv = linear(x, p["qkv_proj"], p.get("qkv_bias"))
+        q, k, v = jnp.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
+    else:
+        q, k, v = (linear(x, p[f"{n}_proj"], p.get(f"{n}_bias")) for n in "qkv")
+    q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
     if "q_norm" in p:
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)

@@ -49,7 +49,7 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
       input_ids: [B, T] int.
       ctx: positions [B, T], cache index, key_valid [B, L] (L = T without a cache).
       spec, moe_configs: static model description.
-      cache: per-layer {'k', 'v'} [B, L, Hkv, D] or None.
+      cache: per-layer {'k', 'v'} [B, Hkv, L, D] or None.
       return_router: also return the last MoE layer's (ids [B, T, k], weights [B, T, k]).
     Returns:
       (logits float32 [B, T, V], new cache or None[, router]).
@@ -75,7 +75,11 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
             y = swiglu_mlp(lp["mlp"], h)
         x = x + y
     x = rms_norm(x, params["norm"], spec.eps)
-    logits = linear(x, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    if "lm_head" in params:
+        logits = linear(x, params["lm_head"])
+    else:  # tied: the embedding [V, M] is the head's [out, in] weight
+        logits = jnp.einsum("...m,vm->...v", x, params["embed"])
+    logits = logits.astype(jnp.float32)
     out = (logits, None if cache is None else new_cache)
     return out + (router,) if return_router else out
 
@@ -116,10 +120,10 @@ class CausalLM:
         return np.take_along_axis(ids, order, -1), np.take_along_axis(w, order, -1)
 
     def init_cache(self, batch: int, length: int) -> list[dict]:
-        """Zero KV cache: per layer {'k': [B, L, Hkv, Dk], 'v': [B, L, Hkv, Dv]} in the model dtype."""
+        """Zero KV cache: per layer {'k': [B, Hkv, L, Dk], 'v': [B, Hkv, L, Dv]} in the model dtype."""
         heads, dk, dv = cache_dims(self.spec)
-        return [{"k": jnp.zeros((batch, length, heads, dk), self.dtype),
-                 "v": jnp.zeros((batch, length, heads, dv), self.dtype)} for _ in range(self.spec.num_layers)]
+        return [{"k": jnp.zeros((batch, heads, length, dk), self.dtype),
+                 "v": jnp.zeros((batch, heads, length, dv), self.dtype)} for _ in range(self.spec.num_layers)]
 
 
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,

@@ -20,6 +20,7 @@ import numpy as np
 from .. import quant_weights
 from ..checkpoint.hf_moe import hf_moe_block_tensors
 from .hf_tables import _mlp_prefix, attention_table
+from .param_layout import to_disk, unkernel
 
 __all__ = ["hf_tensors", "save_pretrained"]
 
@@ -34,17 +35,18 @@ def hf_tensors(model: Any) -> dict[str, np.ndarray]:
     arr = lambda a: np.asarray(a)
     out = {"model.embed_tokens.weight": arr(params["embed"]), "model.norm.weight": arr(params["norm"])}
     if "lm_head" in params:
-        out["lm_head.weight"] = arr(params["lm_head"])
+        out["lm_head.weight"] = unkernel(params["lm_head"])
     attn = attention_table(spec)
     for i, lp in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn." + disk: arr(lp["attn"][ours]) for ours, disk in attn.items()})
+        on_disk = to_disk(lp["attn"], spec)
+        out.update({p + "self_attn." + disk: on_disk[ours] for ours, disk in attn.items()})
         out[p + "input_layernorm.weight"] = arr(lp["input_layernorm"])
         out[p + "post_attention_layernorm.weight"] = arr(lp["post_attention_layernorm"])
         if "moe" in lp:
             out.update(hf_moe_block_tensors(lp["moe"], model.config, i))
         else:
-            out.update({f"{p}{_mlp_prefix(spec)}{k}.weight": arr(v) for k, v in lp["mlp"].items()})
+            out.update({f"{p}{_mlp_prefix(spec)}{k}.weight": unkernel(v) for k, v in lp["mlp"].items()})
     return out
 
 

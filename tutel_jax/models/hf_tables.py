@@ -5,8 +5,9 @@ Layer parameters (`{i}` is the layer index in the on-disk names):
               or MLA {q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}
   norms       input_layernorm, post_attention_layernorm  [M]
   ffn         'moe': the tutel-jax MoE block params (`checkpoint.hf_moe.hf_moe_block`), or 'mlp': dense SwiGLU
-Linear weights keep the on-disk [out, in] layout. The per-tensor transform is a cast to the model dtype
-(quantized weights stay packed: `quant_weights` containers).
+Float linear weights are held as kernels [in, out] and GQA q/k/v as one fused kernel (`param_layout`); the
+per-tensor transform is that, then a cast to the model dtype (quantized weights stay packed: `quant_weights`
+containers with the on-disk [out, in] layout).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from .. import quant_weights
 from ..checkpoint.hf_moe import hf_moe_block
+from .param_layout import kernel, to_memory
 from .spec import DecoderSpec
 
 __all__ = ["attention_table", "load_params"]
@@ -71,14 +73,15 @@ def expected_shapes(spec: DecoderSpec, config: Mapping[str, Any]) -> dict[str, t
     return out
 
 
-def _take(tensors: Mapping[str, np.ndarray], name: str, cast: Callable, shape: tuple[int, ...] | None = None) -> Any:
+def _read(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...] | None = None) -> Any:
+    """The on-disk tensor `name` (NumPy or a quantized container), its shape checked against `shape`."""
     if name not in tensors:
         raise ValueError(f"checkpoint has no tensor {name!r}")
     value = tensors[name]
     got = tuple(quant_weights.logical_shape(value))
     if shape is not None and got != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {got}; the config implies {tuple(shape)}")
-    return cast(value)
+    return value
 
 
 def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], spec: DecoderSpec,
@@ -104,22 +107,23 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
     bar = tqdm(range(spec.num_layers), desc="loading layers", unit="layer", disable=disable)
     for i in bar:
         p = f"model.layers.{i}."
-        layer = {"attn": {k: _take(tensors, p + "self_attn." + v, cast, shapes[f"attn.{k}"]) for k, v in attn.items()},
-                 "input_layernorm": _take(tensors, p + "input_layernorm.weight", cast, shapes["input_layernorm"]),
-                 "post_attention_layernorm": _take(tensors, p + "post_attention_layernorm.weight", cast,
-                                                   shapes["post_attention_layernorm"])}
+        on_disk = {k: _read(tensors, p + "self_attn." + v, shapes[f"attn.{k}"]) for k, v in attn.items()}
+        layer = {"attn": {k: cast(v) for k, v in to_memory(on_disk, spec).items()},
+                 "input_layernorm": cast(_read(tensors, p + "input_layernorm.weight", shapes["input_layernorm"])),
+                 "post_attention_layernorm": cast(_read(tensors, p + "post_attention_layernorm.weight",
+                                                        shapes["post_attention_layernorm"]))}
         if spec.ffn[i] == "moe":
             moe_config, layer["moe"] = hf_moe_block(tensors, config, i, capacity_factor=0.0,
                                                     dtype=jnp.dtype(dtype).name, place=place, **(moe_options or {}))
             moe_configs.append(moe_config)
         else:
             mp = p + _mlp_prefix(spec)
-            layer["mlp"] = {k: _take(tensors, f"{mp}{k}.weight", cast, shapes[f"mlp.{k}"])
+            layer["mlp"] = {k: cast(kernel(_read(tensors, f"{mp}{k}.weight", shapes[f"mlp.{k}"])))
                             for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)
         layers.append(layer)
-    params = {"embed": _take(tensors, "model.embed_tokens.weight", cast, shapes["embed"]), "layers": layers,
-              "norm": _take(tensors, "model.norm.weight", cast, shapes["norm"])}
+    params = {"embed": cast(_read(tensors, "model.embed_tokens.weight", shapes["embed"])), "layers": layers,
+              "norm": cast(_read(tensors, "model.norm.weight", shapes["norm"]))}
     if not spec.tie_word_embeddings:  # tied: forward uses params["embed"]
-        params["lm_head"] = _take(tensors, "lm_head.weight", cast, shapes["lm_head"])
+        params["lm_head"] = cast(kernel(_read(tensors, "lm_head.weight", shapes["lm_head"])))
     return params, tuple(moe_configs)

@@ -1,7 +1,8 @@
 """Building blocks of the HF decoder families: RMSNorm, RoPE (default / YaRN, half-split / interleaved),
 masked attention with an optional static KV cache and attention sinks, dense SwiGLU MLP.
 
-Linear weights keep the HF on-disk layout [out, in]; `linear(x, w, b)` computes `x @ w.T + b`.
+Float linear weights are kernels [in, out] (`linear(x, w, b)` computes `x @ w + b`; see `param_layout`);
+quantized containers keep the on-disk [out, in] blocks.
 Shapes: B batch, T new tokens, L key slots (T without a cache, the static cache length with one),
 Hq / Hkv query / key-value heads, D head dim.
 """
@@ -30,14 +31,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Any, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w[out, in].T (+ b [out]) -> [..., out]; w may be a quantized container (dequantized
-    inside the matmul, see `tutel_jax.quant_weights`)."""
-    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.einsum("...i,oi->...o", x, w)
+    """x [..., in] @ w (+ b [out]) -> [..., out]: w a float kernel [in, out], or a quantized container of the
+    on-disk [out, in] weight (dequantized inside the matmul, see `tutel_jax.quant_weights`)."""
+    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
     return y if b is None else y + b
 
 
 def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Dense HF MLP `down(silu(gate(x)) * up(x))`; p holds gate_proj / up_proj / down_proj [out, in]."""
+    """Dense HF MLP `down(silu(gate(x)) * up(x))`; p holds gate_proj / up_proj / down_proj kernels."""
     return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
 
 
@@ -112,15 +113,16 @@ class AttnContext(NamedTuple):
 
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """cache [B, L, H, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row).
+    """cache [B, H, L, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row).
 
+    The cache is heads-major so that attention reads each head's keys contiguously (no per-step transpose).
     As with `dynamic_update_slice`, a start index is clamped so that the T slots fit in L."""
-    new = new.astype(cache.dtype)
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, H, T, D]
     if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice(cache, new, (0, index, 0, 0))
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, index, 0))
 
-    def row_update(c, n, i):  # c [L, H, D], n [T, H, D], i []
-        return jax.lax.dynamic_update_slice(c, n, (i, 0, 0))
+    def row_update(c, n, i):  # c [H, L, D], n [H, T, D], i []
+        return jax.lax.dynamic_update_slice(c, n, (0, i, 0))
 
     return jax.vmap(row_update)(cache, new, index.astype(jnp.int32))
 
@@ -129,16 +131,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
            window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal (optionally sliding-window) attention of the new queries over all key slots.
 
-    q [B, T, Hq, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> [B, T, Hq, Dv]. Query t sits in slot index + t
+    q [B, T, Hq, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] (heads-major, as the cache) -> [B, T, Hq, Dv]. Query t sits in slot index + t
     (ctx.index [] or [B]: per row) and sees slot s iff s <= index + t, key_valid[s], and (window)
     index + t - s < window. Padding slots being contiguous at the start of a row, slot distances equal
     position distances. sinks [Hq]: a per-head logit joining the softmax and then dropped (GPT-OSS). A query
     with no visible key gets a finite (garbage) output.
     """
     B, T, Hq, _ = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
+    Hkv, L = k.shape[1], k.shape[2]
     q = q.reshape(B, T, Hkv, Hq // Hkv, q.shape[-1])
-    s = jnp.einsum("btgrd,blgd->bgrtl", q, k).astype(jnp.float32) * scale
+    if T == 1:  # decode: multiply-reduce fusions instead of batched matmuls with one-row operands
+        s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
+        s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
+    else:
+        s = jnp.einsum("btgrd,bgld->bgrtl", q, k).astype(jnp.float32) * scale
     q_slot = jnp.asarray(ctx.index)[..., None] + jnp.arange(T)  # [T] or [B, T]
     k_slot = jnp.arange(L)
     allowed = k_slot <= q_slot[..., None]  # [T, L] or [B, T, L]
@@ -152,5 +158,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     else:
         p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bgrtl,blgd->btgrd", p.astype(v.dtype), v)
+    if T == 1:
+        o = jnp.sum(p[:, :, :, 0, :, None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, G, R, Dv]
+        o = o[:, None].astype(v.dtype)
+    else:
+        o = jnp.einsum("bgrtl,bgld->btgrd", p.astype(v.dtype), v)
     return o.reshape(B, T, Hq, v.shape[-1])

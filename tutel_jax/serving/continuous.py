@@ -101,13 +101,13 @@ def _prefill(apply, params, ids, lengths, rows, cache, sampling):
     samples each row's first token: (tokens [G], cache)."""
     TRACES["prefill"] += 1
     G, Tb = ids.shape
-    small = jax.tree.map(lambda c: jnp.zeros((G, Tb) + c.shape[2:], c.dtype), cache)
+    small = jax.tree.map(lambda c: jnp.zeros((G, c.shape[1], Tb) + c.shape[3:], c.dtype), cache)  # [G, H, Tb, D]
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (G, Tb))
     # right padding: a real token never sees the padding after it (causal), so every slot may be "valid"
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.ones((G, Tb), bool))
     logits, small = apply(params, ids, ctx, small)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [G, V]
-    cache = jax.tree.map(lambda c, s: c.at[rows, :Tb].set(s, mode="drop"), cache, small)
+    cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
     return _sample(last, sampling), cache
 
 
@@ -116,7 +116,7 @@ def _decode(apply, params, tok, index, cache, sampling):
     """One decode step over the cache's first R rows (R = len(tok) <= B): feeds tok [R] at each row's own slot
     index [R] (= its RoPE position) and samples the next tokens: (tokens [R], cache [B, ...])."""
     TRACES["decode"] += 1
-    R, (B, L) = tok.shape[0], jax.tree.leaves(cache)[0].shape[:2]
+    R, (B, _, L) = tok.shape[0], jax.tree.leaves(cache)[0].shape[:3]  # cache leaves [B, H, L, D]
     ctx = AttnContext(index[:, None], index, jnp.ones((R, L), bool))
     if R == B:
         logits, cache = apply(params, tok[:, None], ctx, cache)
