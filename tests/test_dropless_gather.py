@@ -1,6 +1,6 @@
 """The 'gather' (each assignment through its own expert's gathered weights) and 'loop' (the used experts one
 at a time) dropless paths equal the ragged path for float and quantized SwiGLU / GPT-OSS experts, outputs and
-gradients (float32: 1e-5); 'auto' picks 'loop' on CPU for k*S <= 4E."""
+gradients (float32: 1e-5); 'auto' picks 'loop' on CPU for k*S <= 32E."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def test_gather_gradients_equal_ragged(experts):
 
 def test_auto_picks_loop_for_few_assignments_on_cpu():
     config, _ = _layer("swiglu", GATES[0], "auto")
-    assert dropless.resolve_impl("auto", config.experts, num_assignments=64, num_experts=16) == "loop"
-    assert dropless.resolve_impl("auto", config.experts, num_assignments=65, num_experts=16) == "bucketed"
+    assert dropless.resolve_impl("auto", config.experts, num_assignments=512, num_experts=16) == "loop"
+    assert dropless.resolve_impl("auto", config.experts, num_assignments=513, num_experts=16) == "bucketed"
     ffn = make_config({"type": "top", "k": 1}, 8, {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8})
     assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "loop"
     with pytest.raises(ValueError, match="gathered"):

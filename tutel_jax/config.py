@@ -41,7 +41,7 @@ class MoEConfig:
         capacities >= the max count: bounded padding, much faster on CPU, where ragged_dot is dense-masked),
         'loop' (a loop over the used experts in small row chunks: idle experts are skipped and each used expert's
         weights are read once; the CPU decode path), 'gather' (each assignment through its own expert's
-        gathered weights), or 'auto' (on CPU loop when k*S <= 4E, else bucketed; ragged elsewhere). See
+        gathered weights), or 'auto' (on CPU loop when k*S <= 32E, else bucketed; ragged elsewhere). See
         `tutel_jax.dropless`.
       kernel_backend: None (plain XLA), or a `pallas_kernels` implementation ('auto', 'pallas', 'interpret',
         'xla') for dispatch/combine and, when the experts take it, their grouped matmuls.

@@ -22,7 +22,7 @@
   (`experts.gathered`).
 
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather', or
-'auto' (on CPU 'loop' when k*S <= 4E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
+'auto' (on CPU 'loop' when k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
 """
@@ -116,8 +116,10 @@ def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int,
     return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
 
 
-#: on CPU 'auto' loops over the used experts ('loop') while k*S is at most this many times E (decode)
-CPU_LOOP_MAX_ROWS_PER_EXPERT = 4
+#: on CPU 'auto' loops over the used experts ('loop') while k*S is at most this many times E: decode and short
+#: prefills, where padding every expert to a bucket costs more than one matmul per chunk (beyond it, and for the
+#: backward pass of big batches, the batched matmul of 'bucketed' is faster)
+CPU_LOOP_MAX_ROWS_PER_EXPERT = 32
 
 
 def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:

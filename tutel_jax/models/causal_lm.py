@@ -141,8 +141,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     and the MoE outputs are all-reduced (expert weights are never gathered).
     `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
-    `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the gathered path for a few
-    tokens and the bucketed one otherwise, ragged on GPUs).
+    `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
+    for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh 'auto' never loops, since
+    slicing experts that live on other devices inside a loop would make the partitioner gather them).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
@@ -170,6 +171,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
             if dequantize or not source.fp8_block_supported():
                 source = DequantizedTensors(ckpt, config)
         place = None if mesh is None else MeshPlacement(mesh, expert_axis)
+        if mesh is not None and dropless_impl == "auto":
+            dropless_impl = "bucketed" if jax.default_backend() == "cpu" else "ragged"
         params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place,
                                           moe_options={"kernel_backend": kernel_backend, "dropless_impl": dropless_impl})
     finally:
