@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .vma import varying_like
+
 __all__ = ["grouped", "chunk_rows"]
 
 
@@ -87,7 +89,8 @@ def _loop(experts, chunk, params, rows, group_sizes):
     groups = _Groups(group_sizes, chunk)
     padded = groups.pad(rows)
     shape = jax.eval_shape(lambda: experts.batched(_expert(params, 0), padded[None, :chunk]))
-    out = groups.pad(jnp.zeros((rows.shape[0],) + shape.shape[2:], shape.dtype))
+    out = varying_like(groups.pad(jnp.zeros((rows.shape[0],) + shape.shape[2:], shape.dtype)), params, rows,
+                        group_sizes)
 
     def per_chunk(e, first, keep, params_e, out):
         y = experts.batched(params_e, jax.lax.dynamic_slice_in_dim(padded, first, chunk)[None])[0]
@@ -132,14 +135,15 @@ def _loop_bwd(experts, chunk, residuals, g):
         return [a + b for a, b in zip(acc, df)], (d_params, jax.lax.dynamic_update_slice_in_dim(d_rows, dx, first, 0))
 
     def init(e):
-        return [jnp.zeros_like(a) for a in expert_parts(e)[0]]
+        return varying_like([jnp.zeros_like(a) for a in expert_parts(e)[0]], params, rows, g, group_sizes)
 
     def done(e, acc, carry):
         d_params, d_rows = carry
         return [jax.lax.dynamic_update_index_in_dim(D, d.astype(D.dtype), e, 0) for D, d in zip(d_params, acc)], d_rows
 
-    d_floats0 = [jnp.zeros_like(a) for a, f in zip(leaves, is_float) if f]
-    d_floats, d_rows = groups.run(per_chunk, init, done, (d_floats0, jnp.zeros_like(padded)))
+    carry = varying_like(([jnp.zeros_like(a) for a, f in zip(leaves, is_float) if f], jnp.zeros_like(padded)),
+                          params, rows, g, group_sizes)
+    d_floats, d_rows = groups.run(per_chunk, init, done, carry)
     it = iter(d_floats)
     d_params = jax.tree_util.tree_unflatten(treedef, [next(it) if f else None for f in is_float])
     return d_params, d_rows[:rows.shape[0]], None

@@ -8,7 +8,7 @@ and per-call switches static.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from .losses import gshard_loss, load_importance_loss
 from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
 from .routing.router_plan import is_router_gate, route_with_router
 
-__all__ = ["MoEAux", "init_params", "moe_apply", "route", "apply_shared_experts"]
+__all__ = ["MoEAux", "init_params", "moe_apply", "run_routed_experts", "route", "apply_shared_experts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,19 +175,24 @@ def _kernel_top_k_routing(scores, noisy, k, cf, config: MoEConfig, alignment, nu
                              slots=(fused.locations, fused.counts))
 
 
-def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig, load_experts: int | None = None
+                         ) -> jax.Array:
     """Dropless path: permute -> grouped experts -> unpermute with no [E, C, M] padding ('ragged'), or the
-    capacity path at the smallest static bucket holding every assignment ('bucketed', see `tutel_jax.dropless`)."""
+    capacity path at the smallest static bucket holding every assignment ('bucketed', see `tutel_jax.dropless`).
+
+    load_experts: how many experts the k*S assignments spread over (default plan.num_experts; a plan over one
+    device's n of E experts passes E): the balanced load k*S/E sets 'auto' and the bucket ladder."""
     experts = config.experts
     grouped = getattr(experts, "grouped", None)
-    impl = dropless.resolve_impl(config.dropless_impl, experts, plan.top_k * x.shape[0], plan.num_experts)
+    spread = plan.num_experts if load_experts is None else int(load_experts)
+    impl = dropless.resolve_impl(config.dropless_impl, experts, plan.top_k * x.shape[0], spread)
     if impl == "gather":
         return _run_gathered(expert_params, x, plan, config)
     if impl == "loop":
         return _run_ragged(expert_params, x, plan, config,
                            grouped=lambda p, rows, sizes: expert_loop.grouped(experts, p, rows, sizes))
     if impl == "bucketed":
-        caps = dropless.bucket_capacities(x.shape[0], plan.num_experts, plan.top_k)
+        caps = dropless.bucket_capacities(x.shape[0], spread, plan.top_k)
         caps = dropless.extend_for_cpu(caps, x.shape[0], plan.num_experts, x.shape[1] * x.dtype.itemsize)
         if grouped is not None:  # bounded padding: beyond 4x the balanced load, fall back to the ragged path
             overflow = (lambda: _run_ragged(expert_params, x, plan, config)) if caps[-1] < x.shape[0] else None
@@ -229,6 +234,13 @@ def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig)
     return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
 
+def run_routed_experts(expert_params, tokens: jax.Array, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    """The routed experts' combined output [S, M_out] for tokens [S, M] under `plan` (dropless or capacity)."""
+    if plan.buffer_capacity is None:
+        return run_experts_dropless(expert_params, tokens, plan, config)
+    return run_experts_buffered(expert_params, tokens, plan, config)
+
+
 def moe_apply(
     params: dict,
     x: jax.Array,
@@ -240,6 +252,7 @@ def moe_apply(
     rng: jax.Array | None = None,
     deterministic: bool = True,
     a2a_ffn_overlap_degree: int | None = None,
+    run_experts: Callable | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Runs the MoE layer on one device.
 
@@ -252,6 +265,8 @@ def moe_apply(
       rng: key for the gate noise (used only when not deterministic and gate_noise > 0).
       deterministic: no gate noise (Tutel's eval mode).
       a2a_ffn_overlap_degree: per-call override; it aligns the capacity like in Tutel.
+      run_experts: how the routed experts run, `fn(expert_params, tokens [S, M], plan, config) -> [S, M_out]`
+        (default `run_routed_experts`: all of them here; `parallel.expert_sliced` runs this device's slice).
 
     Returns:
       (y, aux): y has x's shape (last dim the expert output dim) and dtype; aux is a MoEAux.
@@ -269,10 +284,7 @@ def moe_apply(
         deterministic=deterministic, alignment=config.sharded_count * degree,
         seq_len=orig_shape[-2] if len(orig_shape) >= 3 else None, return_losses=True,
     )
-    if plan.buffer_capacity is None:
-        y = run_experts_dropless(params["experts"], tokens, plan, config)
-    else:
-        y = run_experts_buffered(params["experts"], tokens, plan, config)
+    y = (run_experts or run_routed_experts)(params["experts"], tokens, plan, config)
     y = apply_shared_experts(params, tokens, y, config)
     y = y.reshape(orig_shape[:-1] + (y.shape[-1],)).astype(orig_dtype)
     if config.result_func is not None:

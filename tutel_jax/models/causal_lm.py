@@ -23,6 +23,7 @@ import numpy as np
 
 from ..checkpoint.safetensors_io import open_checkpoint
 from ..layer import moe_apply, route
+from ..parallel.expert_sliced import moe_apply_expert_sliced
 from .attention import cache_dims, gqa_attention, mla_attention
 from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
 from .hf_tables import load_params
@@ -41,7 +42,8 @@ def context_from_mask(attention_mask: jax.Array) -> AttnContext:
 
 
 def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None, *,
-            spec: DecoderSpec, moe_configs: tuple, return_router: bool = False):
+            spec: DecoderSpec, moe_configs: tuple, return_router: bool = False,
+            expert_mesh: tuple[Any, str] | None = None):
     """Logits of the T new tokens.
 
     Args:
@@ -51,6 +53,8 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
       spec, moe_configs: static model description.
       cache: per-layer {'k', 'v'} [B, Hkv, L, D] or None.
       return_router: also return the last MoE layer's (ids [B, T, k], weights [B, T, k]).
+      expert_mesh: (mesh, expert_axis) when the routed experts are split over that mesh axis: each MoE layer
+        runs `parallel.expert_sliced` (every device its own experts on all tokens, one all-reduce).
     Returns:
       (logits float32 [B, T, V], new cache or None[, router]).
     """
@@ -65,7 +69,10 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
         x = x + a
         h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
         if spec.ffn[i] == "moe":
-            y, _ = moe_apply(lp["moe"], h, moe_configs[i], capacity_factor=0.0)
+            if expert_mesh is None:
+                y, _ = moe_apply(lp["moe"], h, moe_configs[i], capacity_factor=0.0)
+            else:
+                y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_configs[i], *expert_mesh, capacity_factor=0.0)
             if return_router and i == spec.last_moe_layer:
                 plan, _ = route(lp["moe"]["gates"][0], h.reshape(-1, h.shape[-1]).astype(moe_configs[i].dtype),
                                 moe_configs[i], capacity_factor=0.0)
@@ -93,10 +100,12 @@ class CausalLM:
     moe_configs: tuple
     config: dict
     dtype: Any = jnp.float32
+    expert_mesh: tuple[Any, str] | None = None  # (mesh, expert_axis) of a model placed with from_pretrained(mesh=)
 
     def __post_init__(self):
         # pure (params, input_ids, ctx, cache=None, return_router=False) -> (logits, cache[, router])
-        self.forward_fn = functools.partial(forward, spec=self.spec, moe_configs=self.moe_configs)
+        self.forward_fn = functools.partial(forward, spec=self.spec, moe_configs=self.moe_configs,
+                                            expert_mesh=self.expert_mesh)
         self._fwd = jax.jit(self.forward_fn, static_argnames=("return_router",))
 
     def apply(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
@@ -137,13 +146,13 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
     With a `mesh` (jax.sharding.Mesh), the routed experts are split over its `expert_axis` and each device
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
-    weights are replicated; under XLA's SPMD partitioner each device then runs its own experts on the tokens
-    and the MoE outputs are all-reduced (expert weights are never gathered).
+    weights are replicated; each MoE layer then runs expert-sliced (`parallel.expert_sliced`: every device its
+    own experts on all the tokens, the outputs all-reduced; expert weights are never gathered). On CPU a mesh
+    of one device per core (`--xla_force_host_platform_device_count`) puts every core to work on the experts.
     `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
-    for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh 'auto' never loops, since
-    slicing experts that live on other devices inside a loop would make the partitioner gather them).
+    for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
@@ -171,11 +180,10 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
             if dequantize or not source.fp8_block_supported():
                 source = DequantizedTensors(ckpt, config)
         place = None if mesh is None else MeshPlacement(mesh, expert_axis)
-        if mesh is not None and dropless_impl == "auto":
-            dropless_impl = "bucketed" if jax.default_backend() == "cpu" else "ragged"
         params, moe_configs = load_params(source, config, spec, dtype, progress=progress, place=place,
                                           moe_options={"kernel_backend": kernel_backend, "dropless_impl": dropless_impl})
     finally:
         if tensors is None:
             ckpt.close()
-    return CausalLM(spec=spec, params=params, moe_configs=moe_configs, config=config, dtype=dtype)
+    return CausalLM(spec=spec, params=params, moe_configs=moe_configs, config=config, dtype=dtype,
+                    expert_mesh=None if mesh is None else (mesh, expert_axis))

@@ -20,11 +20,12 @@ class NNXCausalLM(nnx.Module):
     def __init__(self, model: CausalLM):
         self.spec = model.spec
         self.moe_configs = model.moe_configs
+        self.expert_mesh = model.expert_mesh
         self.params = nnx.data(_wrap_params(model.params))
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         input_ids = jnp.asarray(input_ids, jnp.int32)
         mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask)
         logits, _ = forward(_unbox(self.params), input_ids, context_from_mask(mask), spec=self.spec,
-                            moe_configs=self.moe_configs)
+                            moe_configs=self.moe_configs, expert_mesh=self.expert_mesh)
         return logits
