@@ -147,8 +147,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     With a `mesh` (jax.sharding.Mesh), the routed experts are split over its `expert_axis` and each device
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
     weights are replicated; each MoE layer then runs expert-sliced (`parallel.expert_sliced`: every device its
-    own experts on all the tokens, the outputs all-reduced; expert weights are never gathered). On CPU a mesh
-    of one device per core (`--xla_force_host_platform_device_count`) puts every core to work on the experts.
+    own experts on all the tokens, the outputs all-reduced; expert weights are never gathered).
     `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
