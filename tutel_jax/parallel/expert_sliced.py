@@ -5,9 +5,8 @@ parameters are split along their first axis over `expert_axis` (W devices, n = E
 all S tokens (the gate is small and replicated), keeps the assignments that chose one of its own n experts
 (`local_plan`), runs only those through its experts (any dropless implementation, or the capacity buffer
 [n, C, M]) and combines them into a partial output [S, M_out]; one `psum` over the expert axis sums the W
-partial outputs. No all_to_all, no expert weight ever leaves its device, and the W devices (CPU cores or GPUs)
-read disjoint expert weights in parallel: a decode step's expert work is divided by W for one all-reduce of
-[S, M_out].
+partial outputs. No all_to_all and no expert weight ever leaves its device: each device reads only its own
+1/W of the expert weights, for one all-reduce of [S, M_out] per layer.
 
 Results equal `moe_apply` on one device up to the order of the final sum over devices. Differentiable
 (shard_map's transpose sums the replicated gate's gradient over devices).
