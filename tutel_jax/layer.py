@@ -234,10 +234,12 @@ def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig)
     return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
 
-def run_routed_experts(expert_params, tokens: jax.Array, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    """The routed experts' combined output [S, M_out] for tokens [S, M] under `plan` (dropless or capacity)."""
+def run_routed_experts(expert_params, tokens: jax.Array, plan: RoutingPlan, config: MoEConfig,
+                       load_experts: int | None = None) -> jax.Array:
+    """The routed experts' combined output [S, M_out] for tokens [S, M] under `plan` (dropless or capacity;
+    `load_experts` as in `run_experts_dropless`)."""
     if plan.buffer_capacity is None:
-        return run_experts_dropless(expert_params, tokens, plan, config)
+        return run_experts_dropless(expert_params, tokens, plan, config, load_experts)
     return run_experts_buffered(expert_params, tokens, plan, config)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["varying_axes", "varying_like"]
+__all__ = ["varying", "varying_axes", "varying_like"]
 
 
 def varying_axes(a: Any) -> set:
@@ -23,7 +23,9 @@ def varying_axes(a: Any) -> set:
     return set(manual.varying) if manual is not None else set(getattr(t, "vma", ()))
 
 
-def _cast_varying(a: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def varying(a: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """`a` (invariant over `axes`) typed as varying over them, inside shard_map."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(a, axes, to="varying")
     return jax.lax.pvary(a, axes)  # older JAX
@@ -39,6 +41,6 @@ def varying_like(x: Any, *refs: Any) -> Any:
 
     def cast(a):
         missing = tuple(sorted(axes - varying_axes(a)))
-        return _cast_varying(a, missing) if missing else a
+        return varying(a, missing) if missing else a
 
     return jax.tree_util.tree_map(cast, x)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..config import MoEConfig
-from ..layer import MoEAux, moe_apply, run_experts_buffered, run_experts_dropless
+from ..layer import MoEAux, moe_apply, run_routed_experts
 from ..routing.plan import RoutingPlan
 from ..vma import varying_like
 from .expert_parallel import shard_map
@@ -86,11 +86,7 @@ def moe_apply_expert_sliced(params: dict, x: jax.Array, config: MoEConfig, mesh:
         # the replicated tokens meet per-device slots: cast them here, so that the transpose of the cast (a
         # psum of the tokens' gradient) sits outside the dispatch ops' custom VJPs
         tokens = varying_like(tokens, mine.gates)
-        if mine.buffer_capacity is None:
-            y = run_experts_dropless(expert_params, tokens, mine, cfg, load_experts=num_experts)
-        else:
-            y = run_experts_buffered(expert_params, tokens, mine, cfg)
-        return lax.psum(y, expert_axis)
+        return lax.psum(run_routed_experts(expert_params, tokens, mine, cfg, load_experts=num_experts), expert_axis)
 
     rng = kwargs.pop("rng", None)
 

@@ -29,6 +29,7 @@ from jax import lax
 
 from .. import dispatch
 from ..routing.plan import RoutingPlan
+from ..vma import varying
 from .all_to_all import axis_size
 
 __all__ = ["ragged_supported", "emulated_ragged_all_to_all", "default_recv_capacity", "ragged_dropless_experts"]
@@ -69,7 +70,7 @@ def _exclusive_cumsum(v, axis=0):
 def _varying_zeros(shape, dtype, axis):
     """Zeros typed as varying over `axis` (shard_map's check_vma): ragged_all_to_all's result takes the type of
     its `output` buffer, and the custom VJPs downstream need it to match their varying cotangents."""
-    return jnp.zeros(shape, dtype) + (lax.axis_index(axis) * 0).astype(dtype)
+    return varying(jnp.zeros(shape, dtype), axis)
 
 
 def ragged_dropless_experts(
