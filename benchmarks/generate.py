@@ -2,7 +2,7 @@
 the same weights: a random Qwen3-MoE-style model (default hidden 512, 8 layers, 32 experts, top-4, float32).
 
     python benchmarks/generate.py [--batch 1 8 32] [--prompt_len 32] [--new_tokens 32] [--repeats 3] [--no-hf]
-        [--quick] [--out benchmarks/results/generate.json]
+        [--dropless_impl native auto] [--quick] [--out benchmarks/results/generate.json]
 
 Checkpoint: with transformers installed, `Qwen3MoeForCausalLM(Qwen3MoeConfig(...))` after `torch.manual_seed`,
 saved with `save_pretrained(safe_serialization=True)` into a temporary folder; without it, an equivalent
@@ -10,14 +10,17 @@ config.json + model.safetensors drawn with NumPy (HF's init: N(0, initializer_ra
 systems load that folder: tutel-jax through `models.from_pretrained` (float32), HF through `from_pretrained`.
 
 Protocol, per batch size B (the same random prompts of `prompt_len` token ids for both systems, greedy):
-  tutel-jax host    `generate(model, ids, N)`: jitted prefill, then a host loop over a jitted decode step;
-  tutel-jax device  `generate(..., on_device=True)`: prefill + lax.scan over the decode steps, one program;
+  tutel-jax, with each MoE implementation of --dropless_impl (default: 'native', the C++ CPU kernel, and 'auto',
+  the plain-XLA path), in two modes:
+    host    `generate(model, ids, N)`: jitted prefill, then a host loop over a jitted decode step;
+    device  `generate(..., on_device=True)`: prefill + lax.scan over the decode steps, one program;
   HF                `model.generate(ids, attention_mask, max_new_tokens=N, min_new_tokens=N, do_sample=False)`
                     under `torch.inference_mode()`, torch.set_num_threads(CPU count);
 each also with N = 1 (prefill + one token). Every variant is called once (compile / first call, excluded) and
 once more untimed, then all run in interleaved rounds (`common.time_interleaved`); the best of `repeats` runs is
 reported (the median too). Rates: generate tok/s = B * N / t(N) (prefill included); decode tok/s =
-B * (N - 1) / (t(N) - t(1)) (prefill taken out). tutel-jax's figure is the faster of its two modes (named).
+B * (N - 1) / (t(N) - t(1)) (prefill taken out). tutel-jax's figure is its fastest variant (named); the decode
+ratio of each implementation (its faster mode) is reported too.
 Greedy agreement: per row, the common prefix of the two systems' new tokens (float32 rounding can flip a late
 token of a random model; reported, never failed on).
 Results: benchmarks/results/generate.{json,md}.
@@ -74,7 +77,9 @@ class Settings:
     new_tokens: int = 32
     repeats: int = 3
     seed: int = 0
-    dropless_impl: str | None = None  # None: as `from_pretrained` configures the MoE layers
+    # tutel-jax is measured with each of these MoE implementations ('auto': as `from_pretrained` configures the
+    # layers, the plain-XLA path; 'native': the C++ CPU kernel)
+    dropless_impls: tuple[str, ...] = ("native", "auto")
 
 
 FULL = Settings()
@@ -227,46 +232,58 @@ def rates(t_full: float, t_one: float, batch: int, new_tokens: int) -> dict[str,
             "decode_tok_s": decode}
 
 
-def _mismatches(runners: dict[str, Recorder], new_tokens: int) -> int:
-    """How many new tokens differ between tutel-jax's host-loop and on-device runs (the same greedy program)."""
-    host, device = runners[f"tutel_host_{new_tokens}"].tokens, runners[f"tutel_device_{new_tokens}"].tokens
-    return int(np.sum(host != device))
+def _mismatches(runners: dict[str, Recorder], names: list[str], new_tokens: int) -> int:
+    """How many new tokens differ from the first tutel-jax variant's in any other (the same greedy program)."""
+    first = runners[f"{names[0]}_{new_tokens}"].tokens
+    return int(sum(np.sum(runners[f"{n}_{new_tokens}"].tokens != first) for n in names[1:]))
 
 
-def bench_batch(s: Settings, batch: int, tutel_model: Any, hf_model: Any | None) -> dict[str, Any]:
-    """Every system at one batch size: timings, rates, agreement of the greedy tokens with HF."""
+def bench_batch(s: Settings, batch: int, tutel_models: dict[str, Any], hf_model: Any | None) -> dict[str, Any]:
+    """Every system at one batch size: timings, rates, agreement of the greedy tokens with HF.
+    tutel_models: the model per dropless implementation; each runs in both modes (`tutel_<impl>_<mode>`)."""
     rng = np.random.default_rng(s.seed + batch)
     ids = rng.integers(1, s.model.vocab, size=(batch, s.prompt_len)).astype(np.int64)
     runners: dict[str, Recorder] = {}
-    for mode in TUTEL_MODES:
-        for n in (s.new_tokens, 1):
-            runners[f"tutel_{mode}_{n}"] = tutel_runner(tutel_model, ids, n, on_device=mode == "device")
+    tutel_names = [f"tutel_{impl}_{mode}" for impl in tutel_models for mode in TUTEL_MODES]
+    for impl, model in tutel_models.items():
+        for mode in TUTEL_MODES:
+            for n in (s.new_tokens, 1):
+                runners[f"tutel_{impl}_{mode}_{n}"] = tutel_runner(model, ids, n, on_device=mode == "device")
     if hf_model is not None:
         for n in (s.new_tokens, 1):
             runners[f"hf_{n}"] = hf_runner(hf_model, ids, n)
     timings = time_interleaved(runners, s.repeats, warmup=1)
     systems = {}
-    for name in ["tutel_host", "tutel_device"] + (["hf"] if hf_model is not None else []):
+    for name in tutel_names + (["hf"] if hf_model is not None else []):
         full, one = timings[f"{name}_{s.new_tokens}"], timings[f"{name}_1"]
         systems[name] = {**rates(full.min_s, one.min_s, batch, s.new_tokens),
                          "median_generate_tok_s": batch * s.new_tokens / full.median_s,
                          "first_call_s": full.first_call_s, "runs": full.runs,
                          "timing": full.as_dict(), "timing_n1": one.as_dict()}
-    best = max(TUTEL_MODES, key=lambda m: systems[f"tutel_{m}"]["generate_tok_s"])
-    row: dict[str, Any] = {"batch": batch, "tutel_best_mode": best, "tutel": systems[f"tutel_{best}"],
+    # per implementation its faster mode; the headline is the fastest variant
+    best_by_impl = {impl: max((f"tutel_{impl}_{m}" for m in TUTEL_MODES), key=lambda n: systems[n]["generate_tok_s"])
+                    for impl in tutel_models}
+    best = max(best_by_impl.values(), key=lambda n: systems[n]["generate_tok_s"])
+    row: dict[str, Any] = {"batch": batch, "tutel_best": best.removeprefix("tutel_"), "tutel": systems[best],
+                           "tutel_by_impl": {impl: systems[n] for impl, n in best_by_impl.items()},
                            "systems": systems,
-                           "host_vs_device_token_mismatches": _mismatches(runners, s.new_tokens)}
+                           "token_mismatches_between_variants": _mismatches(runners, tutel_names, s.new_tokens)}
     if hf_model is not None:
         row["hf"] = systems["hf"]
         row["ratio_generate"] = row["tutel"]["generate_tok_s"] / row["hf"]["generate_tok_s"]
-        dt, dh = row["tutel"]["decode_tok_s"], row["hf"]["decode_tok_s"]
-        row["ratio_decode"] = dt / dh if dt and dh else None
-        ours, theirs = runners[f"tutel_{best}_{s.new_tokens}"].tokens, runners[f"hf_{s.new_tokens}"].tokens
+        row["ratio_decode"] = _ratio(row["tutel"]["decode_tok_s"], row["hf"]["decode_tok_s"])
+        row["ratio_decode_by_impl"] = {impl: _ratio(t["decode_tok_s"], row["hf"]["decode_tok_s"])
+                                       for impl, t in row["tutel_by_impl"].items()}
+        ours, theirs = runners[f"{best}_{s.new_tokens}"].tokens, runners[f"hf_{s.new_tokens}"].tokens
         prefixes = [common_prefix(a, b) for a, b in zip(ours, theirs)]
         row["agreement"] = {"common_prefix_per_row": prefixes, "rows_identical": sum(p == s.new_tokens
                                                                                      for p in prefixes),
                             "new_tokens": s.new_tokens}
     return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 @contextlib.contextmanager
@@ -287,27 +304,45 @@ def run(s: Settings, want_hf: bool = True) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from tutel_jax.models import from_pretrained
+    from tutel_jax.native import NativeKernelError
     skipped = "disabled with --no-hf" if not want_hf else hf_available()
     use_hf = skipped is None
     with checkpoint_dir(s, use_hf) as (path, made_by):
-        tutel_model = with_dropless_impl(from_pretrained(path, dtype=jnp.float32), s.dropless_impl)
+        loaded = from_pretrained(path, dtype=jnp.float32)
+        tutel_models, unavailable = {}, {}
+        for impl in s.dropless_impls:
+            try:
+                tutel_models[impl] = with_dropless_impl(loaded, impl)
+            except NativeKernelError as e:  # no C++ compiler here: measure the others, say why
+                unavailable[impl] = str(e)
+                print(f"dropless_impl {impl!r} unavailable: {e}", file=sys.stderr)
+        if not tutel_models:
+            raise SystemExit(f"no dropless implementation can run here: {unavailable}")
         hf_model, hf_facts = load_hf(path) if use_hf else (None, {})
-        num_params = int(sum(np.asarray(x).size for x in _leaves(tutel_model.params)))
+        num_params = int(sum(np.asarray(x).size for x in _leaves(loaded.params)))
         rows = []
         for batch in s.batches:
-            row = bench_batch(s, batch, tutel_model, hf_model)
+            row = bench_batch(s, batch, tutel_models, hf_model)
             rows.append(row)
             print(_progress_line(row), flush=True)
     return {"benchmark": "generate", "settings": _settings_dict(s), "num_params": num_params,
-            "tutel_dropless_impl": _dropless_impl(tutel_model), "checkpoint": made_by,
+            "tutel_dropless_impls": {impl: _dropless_impl(m) for impl, m in tutel_models.items()},
+            "unavailable_dropless_impls": unavailable,
+            "checkpoint": made_by,
             "hf": {"skipped": skipped} if skipped else hf_facts,
             "machine": machine_info(), "results": rows}
 
 
 def with_dropless_impl(model: Any, impl: str | None) -> Any:
-    """The model with every MoE layer's `dropless_impl` set to `impl` (unchanged for None)."""
+    """The model with every MoE layer's `dropless_impl` set to `impl` (unchanged for None); 'native' is checked
+    (and built) here."""
     if impl is None:
         return model
+    if impl == "native":
+        from tutel_jax.dropless import check_native
+        for c in model.moe_configs:
+            if c is not None:
+                check_native(c.experts)
     configs = tuple(None if c is None else dataclasses.replace(c, dropless_impl=impl) for c in model.moe_configs)
     return dataclasses.replace(model, moe_configs=configs)
 
@@ -330,7 +365,7 @@ def _settings_dict(s: Settings) -> dict[str, Any]:
 
 def _progress_line(row: dict[str, Any]) -> str:
     t = row["tutel"]
-    line = f"B={row['batch']:3d}  tutel-jax ({row['tutel_best_mode']}) {t['generate_tok_s']:9.1f} tok/s"
+    line = f"B={row['batch']:3d}  tutel-jax ({row['tutel_best']}) {t['generate_tok_s']:9.1f} tok/s"
     if "hf" in row:
         a = row["agreement"]
         line += (f"  HF {row['hf']['generate_tok_s']:9.1f} tok/s  ratio {row['ratio_generate']:.2f}x  "
@@ -349,8 +384,10 @@ def markdown(result: dict[str, Any]) -> str:
     """The Markdown report: one row per batch size, then the setup."""
     s, m, info = result["settings"], result["settings"]["model"], result["machine"]
     has_hf = "skipped" not in result["hf"]
-    headers = ["batch", "tutel-jax tok/s", "mode", "HF tok/s", "ratio", "tutel-jax decode tok/s", "HF decode tok/s",
-               "decode ratio", "prefill ms (tutel-jax / HF)", "greedy agreement"]
+    impls = list(result["tutel_dropless_impls"])
+    headers = ["batch", "tutel-jax tok/s", "variant", "HF tok/s", "ratio", "decode tok/s (tutel-jax / HF)",
+               "decode ratio"] + [f"decode ratio, `{i}`" for i in impls] + ["prefill ms (tutel-jax / HF)",
+                                                                               "greedy agreement"]
     rows = []
     for r in result["results"]:
         t, h = r["tutel"], r.get("hf")
@@ -358,16 +395,21 @@ def markdown(result: dict[str, Any]) -> str:
         if has_hf:
             pre = r["agreement"]["common_prefix_per_row"]
             agree = (f"{r['agreement']['rows_identical']}/{len(pre)} rows; min prefix {min(pre)}/{s['new_tokens']}")
-        rows.append([r["batch"], _rate(t["generate_tok_s"]), r["tutel_best_mode"],
+        per_impl = [fmt_ratio(r["ratio_decode_by_impl"][i]) if h and r["ratio_decode_by_impl"][i] else "-"
+                    for i in impls]
+        rows.append([r["batch"], _rate(t["generate_tok_s"]), r["tutel_best"],
                      _rate(h["generate_tok_s"]) if h else "skipped",
-                     fmt_ratio(r["ratio_generate"]) if h else "-", _rate(t["decode_tok_s"]),
-                     _rate(h["decode_tok_s"]) if h else "-",
-                     fmt_ratio(r["ratio_decode"]) if h and r["ratio_decode"] else "-",
+                     fmt_ratio(r["ratio_generate"]) if h else "-",
+                     f"{_rate(t['decode_tok_s'])} / {_rate(h['decode_tok_s']) if h else '-'}",
+                     fmt_ratio(r["ratio_decode"]) if h and r["ratio_decode"] else "-", *per_impl,
                      f"{fmt_ms(t['prefill_s'])} / {fmt_ms(h['prefill_s'])}" if h else fmt_ms(t["prefill_s"]),
                      agree])
-    table = markdown_table(headers, rows, align="rrlrrrrrrl")
-    modes = ", ".join(f"B={r['batch']}: host {_rate(r['systems']['tutel_host']['generate_tok_s'])} / device "
-                      f"{_rate(r['systems']['tutel_device']['generate_tok_s'])}" for r in result["results"])
+    table = markdown_table(headers, rows, align="rrlrrrr" + "r" * len(impls) + "rl")
+    variants = "; ".join(f"B={r['batch']}: " + ", ".join(f"{name.removeprefix('tutel_')} {_rate(v['generate_tok_s'])}"
+                                                         for name, v in r["systems"].items() if name != "hf")
+                         for r in result["results"])
+    unavailable = "".join(f" `{i}` not measured: {why}." for i, why in result.get("unavailable_dropless_impls",
+                                                                                     {}).items())
     hf_line = (f"HF skipped: {result['hf']['skipped']}." if not has_hf else
                f"HF: transformers {result['hf']['transformers_version']}, torch {result['hf']['torch_version']} "
                f"({result['hf']['torch_threads']} threads), attention `{result['hf']['attn_implementation']}`, "
@@ -381,12 +423,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"parameters, float32; checkpoint: {result['checkpoint']}), random prompts of {s['prompt_len']} tokens, "
             f"greedy, {s['new_tokens']} new tokens; best of {s['repeats']} interleaved runs after a warm-up "
             f"(compilation excluded). tok/s = batch x new tokens / wall time (prefill included); decode tok/s "
-            f"takes out the prefill (the time of a 1-token call); ratio = tutel-jax / HF. tutel-jax mode: the faster "
-            f"of the host loop over a jitted decode step (`host`) and `generate(on_device=True)` (`device`); "
-            f"MoE layers "
-            f"dropless (capacity_factor 0), dropless_impl `{result['tutel_dropless_impl']}`. "
+            f"takes out the prefill (the time of a 1-token call); ratio = tutel-jax / HF. tutel-jax runs with each "
+            f"MoE implementation ({', '.join(f'`{i}`' for i in impls)}: dropless_impl, capacity_factor 0; "
+            f"`auto` is the plain-XLA path, `native` the C++ CPU kernel) in two modes: a host loop over a jitted "
+            f"decode step (`host`) and `generate(on_device=True)` (`device`); the variant column names the fastest, "
+            f"whose figures the row shows; the per-implementation decode ratios use each one's faster mode."
+            f"{unavailable} "
             f"{info['cpu_affinity']} CPU cores ({info['processor']}), jax {info['jax_version']}, {info['date']}.\n\n"
-            + table + f"\n{hf_line}\n\ntutel-jax tok/s by mode: {modes}.\n")
+            + table + f"\n{hf_line}\n\ntutel-jax tok/s by variant: {variants}.\n")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -396,8 +440,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new_tokens", type=int, default=None, help=f"new tokens (default {FULL.new_tokens})")
     parser.add_argument("--repeats", type=int, default=None, help=f"timed runs per variant (default {FULL.repeats})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dropless_impl", choices=("ragged", "bucketed", "loop", "gather", "auto"), default=None,
-                        help="override the MoE layers' dropless implementation (default: as loaded)")
+    parser.add_argument("--dropless_impl", choices=("ragged", "bucketed", "loop", "gather", "native", "auto"),
+                        nargs="+", default=None,
+                        help=f"the MoE implementations to measure tutel-jax with (default {FULL.dropless_impls})")
     parser.add_argument("--no-hf", dest="no_hf", action="store_true", help="measure tutel-jax alone")
     parser.add_argument("--quick", action="store_true", help="tiny model, batches 1 2, few tokens (smoke test)")
     parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT}; quick: "
@@ -409,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = QUICK if args.quick else FULL
     s = dataclasses.replace(base, seed=args.seed, **{k: v for k, v in (
         ("batches", tuple(args.batch) if args.batch else None), ("prompt_len", args.prompt_len),
-        ("new_tokens", args.new_tokens), ("repeats", args.repeats), ("dropless_impl", args.dropless_impl))
+        ("new_tokens", args.new_tokens), ("repeats", args.repeats),
+        ("dropless_impls", tuple(dict.fromkeys(args.dropless_impl)) if args.dropless_impl else None))
         if v is not None})
     result = run(s, want_hf=not args.no_hf)
     result["quick"] = args.quick

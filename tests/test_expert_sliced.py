@@ -53,7 +53,7 @@ def test_local_plans_partition_the_assignments():
     np.testing.assert_array_equal(seen, 1)
 
 
-@pytest.mark.parametrize("impl", ["loop", "bucketed", "ragged", "gather"])
+@pytest.mark.parametrize("impl", ["loop", "bucketed", "ragged", "gather", "native"])
 @pytest.mark.parametrize("gate", [TOP2, DEEPSEEK], ids=["top2", "deepseek_top3"])
 def test_dropless_equals_one_device(impl, gate):
     config, params = _layer(gate, dropless_impl=impl)
@@ -103,7 +103,7 @@ def test_packed_experts_sharded_in_place():
     _close(y, ref)
 
 
-@pytest.mark.parametrize("impl", ["loop", "bucketed"])
+@pytest.mark.parametrize("impl", ["loop", "bucketed", "native"])
 def test_gradients_equal_one_device(impl):
     """Through shard_map's transpose: the replicated gate and input get the sum over devices, each expert
     its own device's gradient."""

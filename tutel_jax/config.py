@@ -9,6 +9,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
+from .dropless import check_native
 from .experts import Experts, make_experts
 from .routing.gates import Gate, make_gate
 from .shared_experts import SharedExperts, make_shared_experts
@@ -41,8 +42,9 @@ class MoEConfig:
         capacities >= the max count: bounded padding, much faster on CPU, where ragged_dot is dense-masked),
         'loop' (a loop over the used experts in small row chunks: idle experts are skipped and each used expert's
         weights are read once; the CPU decode path), 'gather' (each assignment through its own expert's
-        gathered weights), or 'auto' (on CPU loop when k*S <= 32E, else bucketed; ragged elsewhere). See
-        `tutel_jax.dropless`.
+        gathered weights), 'native' (CPU, SwiGLU experts: one C++ kernel per layer streaming the used experts'
+        weights over all cores; the fastest CPU decode), or 'auto' (on CPU loop when k*S <= 32E, else
+        bucketed; ragged elsewhere). See `tutel_jax.dropless`.
       kernel_backend: None (plain XLA), or a `pallas_kernels` implementation ('auto', 'pallas', 'interpret',
         'xla') for dispatch/combine and, when the experts take it, their grouped matmuls.
     """
@@ -179,9 +181,11 @@ def make_config(
         raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
     if kernel_backend is not None and getattr(expert_net, "kernel_backend", kernel_backend) is None:
         expert_net = dataclasses.replace(expert_net, kernel_backend=kernel_backend)  # grouped matmuls too
-    if dropless_impl not in ("auto", "ragged", "bucketed", "loop", "gather"):
-        raise ValueError(f"dropless_impl must be 'auto', 'ragged', 'bucketed', 'loop' or 'gather', "
+    if dropless_impl not in ("auto", "ragged", "bucketed", "loop", "gather", "native"):
+        raise ValueError(f"dropless_impl must be 'auto', 'ragged', 'bucketed', 'loop', 'gather' or 'native', "
                          f"got {dropless_impl!r}")
+    if dropless_impl == "native":  # fails here, not at the first call: the experts, the backend, the build
+        check_native(expert_net)
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:

@@ -21,7 +21,13 @@
 'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
   (`experts.gathered`).
 
-`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather', or
+'native': on CPU, the whole routed-experts step in one native call (`tutel_jax.native.moe_swiglu`, C++ through
+  XLA FFI, compiled on first use): the used experts' weights stream once, in memory order, over all cores.
+  SwiGLU experts (silu, float32 or bfloat16 weights); computes in float32; gradients through the 'loop' path.
+  The fastest CPU decode path (XLA:CPU copies every expert chosen at run time before its matmul).
+
+`MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
+'native', or
 'auto' (on CPU 'loop' when k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
@@ -37,7 +43,8 @@ import jax.numpy as jnp
 
 from .routing.plan import RoutingPlan, align_capacity
 
-__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "extend_for_cpu"]
+__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "extend_for_cpu",
+           "check_native"]
 
 BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -98,7 +105,7 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
     return jax.lax.switch(index, branches)
 
 
-IMPLS = ("auto", "ragged", "bucketed", "gather", "loop")
+IMPLS = ("auto", "ragged", "bucketed", "gather", "loop", "native")
 
 
 #: on CPU the bucket ladder reaches S (no ragged fallback) while the [E, S, M] buffer stays below this
@@ -138,4 +145,20 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
     if impl == "gather" and not callable(getattr(experts, "gathered", None)):
         raise ValueError(f"dropless_impl='gather' needs experts with a gathered() method; "
                          f"{type(experts).__name__} has none")
+    if impl == "native":
+        check_native(experts)
     return impl
+
+
+def check_native(experts: Any) -> None:
+    """Raises ValueError unless dropless_impl='native' can run `experts` here (CPU, unquantized silu SwiGLU), and
+    `native.NativeKernelError` when the kernel cannot be built (it is compiled here on first use)."""
+    from .experts_glu import SwiGLUExperts  # experts_glu imports dispatch; loaded on use
+    from .native.moe_swiglu import ensure_registered
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"dropless_impl='native' is a CPU kernel; the default backend is {jax.default_backend()!r}")
+    if type(experts) is not SwiGLUExperts or experts.activation_fn is not jax.nn.silu:
+        raise ValueError(f"dropless_impl='native' runs unquantized SwiGLU experts with silu; got "
+                         f"{type(experts).__name__}" + (f" with {experts.activation_fn}"
+                                                        if type(experts) is SwiGLUExperts else ""))
+    ensure_registered()

@@ -8,6 +8,7 @@ and per-call switches static.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from . import dispatch
 from . import dropless
 from . import expert_loop
+from . import native
 from .config import MoEConfig
 from .losses import gshard_loss, load_importance_loss
 from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
@@ -189,8 +191,9 @@ def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig,
     if impl == "gather":
         return _run_gathered(expert_params, x, plan, config)
     if impl == "loop":
-        return _run_ragged(expert_params, x, plan, config,
-                           grouped=lambda p, rows, sizes: expert_loop.grouped(experts, p, rows, sizes))
+        return _run_looped(expert_params, x, plan, config)
+    if impl == "native":
+        return _run_native(config, expert_params, x, plan)
     if impl == "bucketed":
         caps = dropless.bucket_capacities(x.shape[0], spread, plan.top_k)
         caps = dropless.extend_for_cpu(caps, x.shape[0], plan.num_experts, x.shape[1] * x.dtype.itemsize)
@@ -218,6 +221,33 @@ def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax
     rows = (x.astype(enc.dtype)[None] * enc[..., None]).reshape(k * num_tokens, -1).astype(x.dtype)
     out = config.experts.gathered(expert_params, rows, plan.expert_ids.reshape(-1))  # [k*S, M_out]
     return jnp.sum(out.reshape(k, num_tokens, -1).astype(dec.dtype) * dec[..., None], axis=0)
+
+
+def _run_looped(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
+    """Dropless as a loop over the used experts (`expert_loop`): permute -> loop -> unpermute."""
+    return _run_ragged(expert_params, x, plan, config,
+                       grouped=lambda p, rows, sizes: expert_loop.grouped(config.experts, p, rows, sizes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _run_native(config: MoEConfig, expert_params, x, plan: RoutingPlan) -> jax.Array:
+    """Dropless through the native CPU kernel (`tutel_jax.native.moe_swiglu`: float32 compute), in the gates'
+    dtype like the other paths. Gradients: the 'loop' path's VJP (the kernel is a serving path)."""
+    enc, dec = dispatch.assignment_weights(plan, config.is_postscore)
+    y = native.moe_swiglu(x, plan.expert_ids, enc, dec, expert_params["gate_up_proj"], expert_params["down_proj"])
+    return y.astype(plan.gates.dtype)
+
+
+def _run_native_fwd(config, expert_params, x, plan):
+    return _run_native(config, expert_params, x, plan), (expert_params, x, plan)
+
+
+def _run_native_bwd(config, residuals, g):
+    _, vjp = jax.vjp(lambda p, x, plan: _run_looped(p, x, plan, config), *residuals)
+    return vjp(g)
+
+
+_run_native.defvjp(_run_native_fwd, _run_native_bwd)
 
 
 def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig, grouped=None) -> jax.Array:

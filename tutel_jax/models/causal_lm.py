@@ -151,7 +151,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
-    for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device).
+    for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
+    C++ CPU kernel for SwiGLU experts, the fastest CPU decode, checked and built here).
     `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
     a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
     model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.

@@ -32,6 +32,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ..dropless import IMPLS
     ap = argparse.ArgumentParser(prog="tutel-jax generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -51,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also stop at the checkpoint's eos_token_id(s) (config.json, generation_config.json)")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     ap.add_argument("--on-device", action="store_true", help="all decode steps in one compiled lax.scan")
+    ap.add_argument("--dropless-impl", default="auto", choices=IMPLS,
+                    help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
     return ap
 
 
@@ -125,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     from tutel_jax.models import from_pretrained, memory_report
+    from tutel_jax.native import NativeKernelError
     from tutel_jax.serving import generate
     from tutel_jax.serving.tokenizer import eos_token_ids
 
     try:
-        model = from_pretrained(args.checkpoint, progress=None)
-    except (ValueError, OSError) as e:  # a bad checkpoint: one line, no traceback
+        model = from_pretrained(args.checkpoint, progress=None, dropless_impl=args.dropless_impl)
+    except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
         print(f"error: cannot load {args.checkpoint}: {e}", file=sys.stderr)
         return 2
     if model.spec.ffn.count("moe") and model.config.get("quantization_config"):

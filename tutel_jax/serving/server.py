@@ -90,6 +90,7 @@ class ServerConfig:
     warmup_batch_sizes: list[int] | None = None    # compiled at startup (rows); default [1]
     warmup_prompt_lens: list[int] | None = None    # with these prompt lengths; default [1]
     warmup_max_tokens: int = 2
+    dropless_impl: str = "auto"     # the MoE layers' dropless implementation when the app loads the model
 
 
 def _context_length(config: dict) -> int:
@@ -685,7 +686,7 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     cfg = cfg or ServerConfig()
     if model is None:
         from ..models import from_pretrained
-        model = from_pretrained(path)
+        model = from_pretrained(path, dropless_impl=cfg.dropless_impl)
     srv = Server(model, path, cfg)
 
     @asynccontextmanager
@@ -837,6 +838,7 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
 
 
 def main(argv=None):
+    from ..dropless import IMPLS
     p = argparse.ArgumentParser(description="OpenAI-compatible server for a tutel-jax checkpoint")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
     p.add_argument("--host", default="127.0.0.1")
@@ -868,6 +870,8 @@ def main(argv=None):
     p.add_argument("--warmup_max_tokens", type=int, default=2,
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
+    p.add_argument("--dropless_impl", default="auto", choices=IMPLS,
+                   help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
     p.add_argument("--log_level", default="info")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper())
@@ -876,7 +880,7 @@ def main(argv=None):
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
-                       warmup_max_tokens=a.warmup_max_tokens)
+                       warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl)
     app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30)
 
