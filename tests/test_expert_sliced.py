@@ -14,12 +14,15 @@ from tutel_jax.config import make_config
 from tutel_jax.layer import init_params, moe_apply
 from tutel_jax.parallel import moe_apply_expert_sliced
 from tutel_jax.parallel.expert_sliced import local_plan
+from tutel_jax.native import build
 from tutel_jax.routing.plan import plan_from_choices
 
 TOP2 = {"type": "top", "k": 2}
 DEEPSEEK = {"type": "deepseek_v3", "k": 3, "n_group": 4, "topk_group": 2, "correction_bias": True,
             "routed_scaling_factor": 2.0}
 SWIGLU = {"type": "swiglu", "count_per_node": 16, "hidden_size_per_expert": 32}
+# the native CPU kernel is compiled on first use: it needs a C++ compiler (tests/test_native_moe.py)
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler"))
 
 
 def _mesh(shape=(4,), axes=("expert",)):
@@ -53,7 +56,7 @@ def test_local_plans_partition_the_assignments():
     np.testing.assert_array_equal(seen, 1)
 
 
-@pytest.mark.parametrize("impl", ["loop", "bucketed", "ragged", "gather", "native"])
+@pytest.mark.parametrize("impl", ["loop", "bucketed", "ragged", "gather", NATIVE])
 @pytest.mark.parametrize("gate", [TOP2, DEEPSEEK], ids=["top2", "deepseek_top3"])
 def test_dropless_equals_one_device(impl, gate):
     config, params = _layer(gate, dropless_impl=impl)
@@ -103,7 +106,7 @@ def test_packed_experts_sharded_in_place():
     _close(y, ref)
 
 
-@pytest.mark.parametrize("impl", ["loop", "bucketed", "native"])
+@pytest.mark.parametrize("impl", ["loop", "bucketed", NATIVE])
 def test_gradients_equal_one_device(impl):
     """Through shard_map's transpose: the replicated gate and input get the sum over devices, each expert
     its own device's gradient."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tutel_jax.native.build import compiler
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,16 +28,19 @@ def test_generate_benchmark_quick(tmp_path: Path) -> None:
     assert result["settings"]["model"]["experts"] > 1 and result["num_params"] > 0
     assert result["machine"]["cpu_count"] >= 1
     assert [r["batch"] for r in result["results"]] == result["settings"]["batches"]
-    # both MoE implementations, each in both modes, generate the same greedy tokens
-    assert result["tutel_dropless_impls"] == {"native": "native", "auto": "auto"}
+    # both MoE implementations, each in both modes, generate the same greedy tokens (without a C++ compiler the
+    # native kernel cannot be built: the report says so and the XLA path is measured alone)
+    impls = ("native", "auto") if compiler() is not None else ("auto",)
+    assert result["tutel_dropless_impls"] == {i: i for i in impls}
+    assert ("native" in result["unavailable_dropless_impls"]) == (len(impls) == 1)
     for row in result["results"]:
-        variants = {f"tutel_{i}_{m}" for i in ("native", "auto") for m in ("host", "device")}
+        variants = {f"tutel_{i}_{m}" for i in impls for m in ("host", "device")}
         assert set(row["systems"]) == variants and "tutel_" + row["tutel_best"] in variants
         assert row["token_mismatches_between_variants"] == 0
         for stats in row["systems"].values():
             assert stats["generate_tok_s"] > 0 and stats["time_s"] > 0 and stats["prefill_s"] > 0
         assert row["tutel"]["generate_tok_s"] == max(s["generate_tok_s"] for s in row["systems"].values())
-        assert set(row["tutel_by_impl"]) == {"native", "auto"}
+        assert set(row["tutel_by_impl"]) == set(impls)
         assert "hf" not in row and "ratio_generate" not in row
     text = out.with_suffix(".md").read_text()
     assert "tutel-jax tok/s" in text and "HF skipped" in text and text.count("|") > 10
