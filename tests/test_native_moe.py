@@ -208,6 +208,28 @@ def test_build_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_libraries", {})
     monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("a cached library was compiled again"))
     build.load("moe_cpu")
+    # another CPU (a home directory shared between machines) gets its own library
+    source, cxx = build.SOURCE_DIR / "moe_cpu.cc", build.compiler()
+    here = build._library_path(source, cxx)
+    monkeypatch.setattr(build, "_cpu_fingerprint", lambda: "another cpu")
+    assert build._library_path(source, cxx) != here
+
+
+@needs_compiler
+def test_compiler_without_march_native(tmp_path, monkeypatch):
+    """A compiler that rejects -march=native: the second try without it builds a working library."""
+    fake = tmp_path / "cxx"
+    calls = tmp_path / "calls"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                    'for a in "$@"; do [ "$a" = "-march=native" ] && { echo "unknown: $a" >&2; exit 1; }; done\n'
+                    f'exec {build.compiler()} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("TUTEL_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_libraries", {})
+    assert hasattr(build.load("moe_cpu"), "TutelJaxMoeSwiglu")
+    tries = calls.read_text().splitlines()
+    assert len(tries) == 2 and "-march=native" in tries[0] and "-march=native" not in tries[1]
 
 
 def test_compiler_errors(tmp_path, monkeypatch):

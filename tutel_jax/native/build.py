@@ -2,9 +2,11 @@
 
 A kernel's shared library is built once per machine with the system C++ compiler (`$CXX`, else `c++`, `g++` or
 `clang++`) against the XLA FFI headers that jaxlib ships, with `-O3 -march=native` (the library is built where it
-runs), and cached under `$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else `~/.cache/tutel_jax`), keyed
-by the source, the flags, the compiler and the jaxlib version. The library is written to a temporary file and
-renamed into place, so concurrent first uses (e.g. test workers) never load a half-written file.
+runs; a compiler that does not know it gets a second try without), and cached under `$TUTEL_JAX_CACHE` (default
+`$XDG_CACHE_HOME/tutel_jax`, else `~/.cache/tutel_jax`), keyed by the source, the flags, the compiler, the jaxlib
+version and the CPU (its model and feature flags: a home directory shared by different machines never hands one
+a library built for another's instruction set). The library is written to a temporary file and renamed into
+place, so concurrent first uses (e.g. test workers) never load a half-written file.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,7 +27,8 @@ import jaxlib
 __all__ = ["NativeKernelError", "cache_dir", "compiler", "load", "register"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+TUNE_FLAGS = ("-march=native",)  # dropped on a second try if the compiler rejects it
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
@@ -54,9 +58,25 @@ def compiler() -> str | None:
     return None
 
 
+def _cpu_fingerprint() -> str:
+    """The machine type plus, on Linux, the first CPU's model name and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    lines.append(line.strip())
+                elif not line.strip() and lines:
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    return "\n".join([platform.machine(), platform.processor(), *lines])
+
+
 def _library_path(source: Path, cxx: str) -> Path:
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS + TUNE_FLAGS).encode(), cxx.encode(),
+                 jaxlib.__version__.encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -66,9 +86,14 @@ def _compile(source: Path, target: Path, cxx: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+    def run(tune):
+        cmd = [cxx, *FLAGS, *tune, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        done = run(TUNE_FLAGS)
+        if done.returncode != 0:
+            done = run(())
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-20:])
             raise NativeKernelError(f"compiling {source.name} with {cxx} failed (exit {done.returncode}):\n{tail}")
