@@ -9,7 +9,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
-from .dropless import check_native
+from .dropless import IMPLS, check_native
 from .experts import Experts, make_experts
 from .routing.gates import Gate, make_gate
 from .shared_experts import SharedExperts, make_shared_experts
@@ -181,9 +181,8 @@ def make_config(
         raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
     if kernel_backend is not None and getattr(expert_net, "kernel_backend", kernel_backend) is None:
         expert_net = dataclasses.replace(expert_net, kernel_backend=kernel_backend)  # grouped matmuls too
-    if dropless_impl not in ("auto", "ragged", "bucketed", "loop", "gather", "native"):
-        raise ValueError(f"dropless_impl must be 'auto', 'ragged', 'bucketed', 'loop', 'gather' or 'native', "
-                         f"got {dropless_impl!r}")
+    if dropless_impl not in IMPLS:
+        raise ValueError(f"dropless_impl must be one of {IMPLS}, got {dropless_impl!r}")
     if dropless_impl == "native":  # fails here, not at the first call: the experts, the backend, the build
         check_native(expert_net)
     try:
