@@ -17,6 +17,7 @@ On a CPU nothing changes unless a kernel is asked for explicitly.
 """
 
 from ._select import ENV_VAR, IMPLEMENTATIONS, NotSupported, choose, gpu_backend, resolve, resolved_name
+from .targets import DEFAULT_TARGET, TARGETS, Target, current_target, get_target, lowering_context, use_target
 from .dispatch import (DispatchConfig, decode, decode_reference, default_dispatch_config, encode,
                        encode_reference, grouped_rows, permute, row_dots_reference, unpermute)
 from .gating import (GatingConfig, GatingResult, default_gating_config, gating, gating_reference, slot_positions,
@@ -31,6 +32,8 @@ from .quant_matmul import (QuantMatmulConfig, default_quant_config, quant_gmm, q
 __all__ = [
     # selection
     "ENV_VAR", "IMPLEMENTATIONS", "NotSupported", "choose", "gpu_backend", "resolve", "resolved_name",
+    # targets (GPU generations: tilings and code paths)
+    "DEFAULT_TARGET", "TARGETS", "Target", "current_target", "get_target", "lowering_context", "use_target",
     # gating
     "GatingConfig", "GatingResult", "default_gating_config", "gating", "gating_reference", "slot_positions",
     "slot_positions_reference",

@@ -40,9 +40,11 @@ from jax.experimental.pallas import triton as plt
 
 from ._select import choose
 from ._util import cdiv, check_pow2, col, row, triton_call
+from .targets import current_target
 
 __all__ = ["GmmConfig", "gmm", "tgmm", "gmm_reference", "tgmm_reference", "group_metadata",
-           "default_gmm_config", "default_tgmm_config", "DenseRhs"]
+           "default_gmm_config", "default_tgmm_config", "DenseRhs", "GMM_TILINGS", "TGMM_TILINGS",
+           "tiling_candidates"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,21 +81,59 @@ def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
     return max(floor, min(cap, 1 << (n - 1).bit_length()))
 
 
-def default_gmm_config(num_rows: int, k: int, n: int, num_groups: int, dtype: Any) -> GmmConfig:
-    """128x128x64 for bf16 (64x128x32 for float32, whose tiles are twice as large); smaller row tiles when the
-    average group has fewer than 128 rows (fewer rows wasted in partial tiles)."""
+#: Largest tiles per target and operand width ("bf16": 16-bit, "f32": 32-bit operands). The defaults shrink them
+#: to the problem (rows per group, N, K); shared memory per stage is (bm * bk + bk * bn) * itemsize, so MI300's
+#: 64 KiB LDS holds two stages of the 16-bit tile where the NVIDIA targets pipeline three.
+GMM_TILINGS: dict[str, dict[str, GmmConfig]] = {
+    "sm_80": {"bf16": GmmConfig(128, 128, 64, 1, 8, 3), "f32": GmmConfig(64, 128, 32, 1, 4, 3)},
+    "sm_90": {"bf16": GmmConfig(128, 128, 64, 1, 8, 3), "f32": GmmConfig(64, 128, 32, 1, 4, 3)},
+    "gfx942": {"bf16": GmmConfig(128, 128, 64, 1, 8, 2), "f32": GmmConfig(64, 128, 32, 1, 4, 2)},
+}
+#: tgmm (weight gradient): a [block_k, block_n] output tile per program, block_m rows per reduction step
+TGMM_TILINGS: dict[str, dict[str, GmmConfig]] = {
+    "sm_80": {"bf16": GmmConfig(64, 128, 128, 1, 8, 3), "f32": GmmConfig(32, 128, 64, 1, 8, 3)},
+    "sm_90": {"bf16": GmmConfig(64, 128, 128, 1, 8, 3), "f32": GmmConfig(32, 128, 64, 1, 8, 3)},
+    "gfx942": {"bf16": GmmConfig(64, 128, 128, 1, 8, 2), "f32": GmmConfig(32, 128, 64, 1, 8, 2)},
+}
+
+
+def _width(dtype: Any) -> str:
+    return "f32" if jnp.dtype(dtype).itemsize >= 4 else "bf16"
+
+
+def _gmm_tiling(base: GmmConfig, bm: int, n: int, k: int) -> GmmConfig:
+    return dataclasses.replace(base, block_m=bm, block_n=_pow2_at_most(n, base.block_n),
+                               block_k=_pow2_at_most(k, base.block_k), num_warps=base.num_warps if bm >= 128 else 4)
+
+
+def default_gmm_config(num_rows: int, k: int, n: int, num_groups: int, dtype: Any, target: str | None = None
+                       ) -> GmmConfig:
+    """The target's tile (`GMM_TILINGS`), with smaller row tiles when the average group has fewer rows than the
+    tile (fewer rows wasted in partial tiles) and N / K tiles no larger than the problem."""
+    base = GMM_TILINGS[target or current_target().name][_width(dtype)]
     avg = max(num_rows // max(num_groups, 1), 1)
-    wide = jnp.dtype(dtype).itemsize >= 4
-    bm = _pow2_at_most(avg, 64 if wide else 128)
-    return GmmConfig(block_m=bm, block_n=_pow2_at_most(n, 128), block_k=_pow2_at_most(k, 32 if wide else 64),
-                     num_warps=8 if bm >= 128 else 4, num_stages=3)
+    return _gmm_tiling(base, _pow2_at_most(avg, base.block_m), n, k)
 
 
-def default_tgmm_config(k: int, n: int, dtype: Any) -> GmmConfig:
-    """tgmm: [block_k, block_n] = [128, 128] gradient tile per program, 64 rows per step."""
-    wide = jnp.dtype(dtype).itemsize >= 4
-    return GmmConfig(block_m=32 if wide else 64, block_n=_pow2_at_most(n, 128),
-                     block_k=_pow2_at_most(k, 64 if wide else 128), num_warps=8, num_stages=3)
+def default_tgmm_config(k: int, n: int, dtype: Any, target: str | None = None) -> GmmConfig:
+    """tgmm: the target's tile (`TGMM_TILINGS`), no larger than the [K, N] gradient."""
+    base = TGMM_TILINGS[target or current_target().name][_width(dtype)]
+    return dataclasses.replace(base, block_n=_pow2_at_most(n, base.block_n), block_k=_pow2_at_most(k, base.block_k))
+
+
+def tiling_candidates(target: str, op: str = "gmm") -> dict[str, GmmConfig]:
+    """Every tiling `default_gmm_config` ("gmm") or `default_tgmm_config` ("tgmm") can pick for `target` at full
+    N and K (smaller N / K only shrink tiles), keyed by a label such as "bf16_bm64"."""
+    tables = {"gmm": GMM_TILINGS, "tgmm": TGMM_TILINGS}[op][target]
+    if op == "tgmm":
+        return dict(tables)
+    candidates = {}
+    for width, base in tables.items():
+        bm = 16
+        while bm <= base.block_m:
+            candidates[f"{width}_bm{bm}"] = _gmm_tiling(base, bm, base.block_n, base.block_k)
+            bm *= 2
+    return candidates
 
 
 # ----------------------------------------------------------------------------------------------- reference

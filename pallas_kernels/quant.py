@@ -14,9 +14,10 @@ EVEN element. NVFP4 is compressed-tensors' convention: the global scale DIVIDES 
 multiplies: pass its reciprocal only if exactness does not matter, or dequantize with the reference).
 
 The reference dequantizers are float32 and bit-identical to the NumPy formulas of the fixtures README (the tests
-compare them with a NumPy implementation). The in-kernel decoders (`e2m1_to_f32`, `e8m0_to_f32`) build float32
-bit patterns with integer ops, so the same code runs in Triton, in Pallas' interpreter and in XLA, with no
-lookup table and no float4 type (which the H200 cannot compute with anyway).
+compare them with a NumPy implementation). The in-kernel decoders (`e2m1_to_f32`, `e8m0_to_f32`, `e4m3_to_f32`)
+build float32 bit patterns with integer ops, so the same code runs in Triton, in Pallas' interpreter and in XLA,
+with no lookup table and no float4 type (which the H200 cannot compute with anyway); `e4m3_to_f32` is how
+kernels read FP8 on GPUs without e4m3 conversion instructions (A100, `Target.fp8_convert`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jax import lax
 
 __all__ = ["E2M1_LUT", "FP8_MAX", "Fp8BlockWeight", "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight",
            "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4", "quantize_fp8_block", "quantize_mxfp4",
-           "quantize_nvfp4", "e2m1_to_f32", "e8m0_to_f32", "unpack_fp4"]
+           "quantize_nvfp4", "e2m1_to_f32", "e8m0_to_f32", "e4m3_to_f32", "unpack_fp4"]
 
 E2M1_LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -68,6 +69,24 @@ def e8m0_to_f32(scale: jax.Array) -> jax.Array:
     s = scale.astype(jnp.int32)
     bits = jnp.where(s == 0, 0x00400000, s << 23)
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def e4m3_to_f32(bits: jax.Array) -> jax.Array:
+    """float8_e4m3fn bit patterns (uint8 or any int dtype, 0..255) -> float32, exactly
+    `bits.view(float8_e4m3fn).astype(float32)`, with integer operations only (A100 has no e4m3 conversion).
+
+    bits = s eeee mmm: e > 0 is (1 + m/8) * 2**(e - 7), i.e. float32 bits s << 31 | (e + 120) << 23 | m << 20;
+    e == 0 is the subnormal m * 2**-9 (exact in float32); 0x7F and 0xFF are NaN (e4m3fn has no infinity).
+    """
+    b = bits.astype(jnp.int32)
+    sign = (b >> 7) & 1
+    exp = (b >> 3) & 15
+    man = b & 7
+    normal = lax.bitcast_convert_type((sign << 31) | ((exp + 120) << 23) | (man << 20), jnp.float32)
+    magnitude = man.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+    subnormal = jnp.where(sign == 1, -magnitude, magnitude)
+    value = jnp.where(exp == 0, subnormal, normal)
+    return jnp.where((b & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
 
 
 def unpack_fp4(packed: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ the reference.
 
 Intended tiling (decode, M <= 64, memory bound; target >= 60% of the roofline of the quantized bytes):
 block_m = next_pow2(M) (>= 16, the MMA minimum), block_n = 64, block_k = 128 (one FP8 scale block, four MXFP4
-groups, eight NVFP4 groups), and split-K so that N tiles x splits >= 2 programs per SM (264 on an H100/H200):
+groups, eight NVFP4 groups), and split-K so that N tiles x splits >= 2 programs per SM (264 on an H100/H200, `Target.num_sms`):
 each program streams a [64, 128] byte tile per step (8 KiB FP8, 4 KiB FP4) with 3-4 pipeline stages in flight.
 The float32 partials [splits, M, N] are tiny at decode sizes and summed by XLA (deterministic, no atomics).
 Prefill (large M) uses the gmm tiles (128 x 128 x 64).
@@ -28,6 +28,7 @@ Prefill (large M) uses the gmm tiles (128 x 128 x 64).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -38,30 +39,64 @@ from jax.experimental.pallas import triton as plt
 from ._select import NotSupported, choose
 from ._util import cdiv, col, next_pow2, row
 from .gmm import GmmConfig, grouped_matmul_call
+from .targets import current_target, get_target
 from .quant import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight,
-                    e2m1_to_f32, e8m0_to_f32)
+                    e2m1_to_f32, e4m3_to_f32, e8m0_to_f32)
 
 __all__ = ["quant_matmul", "quant_gmm", "quant_matmul_reference", "quant_gmm_reference",
-           "default_quant_config", "QuantMatmulConfig", "TARGET_PROGRAMS"]
+           "default_quant_config", "QuantMatmulConfig", "QUANT_TILINGS", "DECODE_ROWS", "tiling_candidates"]
 
 QuantMatmulConfig = GmmConfig  # same tiling fields (block_m, block_n, block_k, split_k, warps, stages)
-#: programs the split-K heuristic aims for: 2 per SM on an H100/H200 (132 SMs)
-TARGET_PROGRAMS = 264
+#: at most this many rows per group take the decode tiling (narrow N tiles, split-K)
+DECODE_ROWS = 64
+
+#: Per target: the decode tiling (block_m is the largest; fewer rows per group take a smaller power of two) and
+#: the prefill tilings for 16-bit and float32 activations. The weight tile is raw quantized bytes in shared memory
+#: (1 byte per FP8 element, half a byte per FP4 one), the activation tile is bm * bk * itemsize per stage.
+QUANT_TILINGS: dict[str, dict[str, GmmConfig]] = {
+    "sm_80": {"decode": GmmConfig(64, 64, 128, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
+              "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
+    "sm_90": {"decode": GmmConfig(64, 64, 128, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
+              "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
+    "gfx942": {"decode": GmmConfig(64, 64, 128, 1, 4, 2), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 2),
+               "prefill_f32": GmmConfig(64, 128, 64, 1, 4, 2)},
+}
 
 
-def default_quant_config(num_rows: int, k_dim: int, n_dim: int, num_groups: int = 1) -> GmmConfig:
-    """Decode (few rows per group): narrow N tiles and split-K; prefill: the gmm tiles."""
+def default_quant_config(num_rows: int, k_dim: int, n_dim: int, num_groups: int = 1, dtype: Any = jnp.bfloat16,
+                         target: str | None = None) -> GmmConfig:
+    """Decode (at most DECODE_ROWS rows per group): narrow N tiles and split-K; prefill: wide tiles. The tilings
+    come from `QUANT_TILINGS` for the target being traced for."""
+    target = get_target(target or current_target())
+    table = QUANT_TILINGS[target.name]
     rows_per_group = max(num_rows // max(num_groups, 1), 1)
-    if rows_per_group <= 64:
-        bm = max(16, next_pow2(rows_per_group))
-        bn, bk = 64, 128
-        programs = cdiv(n_dim, bn) * (cdiv(num_rows, bm) + num_groups)
-        steps = cdiv(k_dim, bk)
-        split = 1
-        while split * 2 <= steps // 2 and programs * split < TARGET_PROGRAMS:
+    if rows_per_group <= DECODE_ROWS:
+        base = table["decode"]
+        bm = max(16, min(base.block_m, next_pow2(rows_per_group)))
+        programs = cdiv(n_dim, base.block_n) * (cdiv(num_rows, bm) + num_groups)
+        steps = cdiv(k_dim, base.block_k)
+        split = 1  # split-K until the grid holds about two programs per SM
+        while split * 2 <= steps // 2 and programs * split < 2 * target.num_sms:
             split *= 2
-        return GmmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
-    return GmmConfig(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
+        return dataclasses.replace(base, block_m=bm, split_k=split)
+    return table["prefill_f32" if jnp.dtype(dtype).itemsize >= 4 else "prefill_bf16"]
+
+
+def tiling_candidates(target: str) -> dict[str, GmmConfig]:
+    """Every tiling `default_quant_config` can pick for `target` (split-K aside, which only divides the K loop),
+    keyed by a label: "decode_bm16" ... for each decode row tile, "prefill_bf16", "prefill_f32"; decode tiles
+    with float32 activations are labelled "..._f32" (the caller picks the activation dtype from the label)."""
+    table = QUANT_TILINGS[target]
+    candidates = {}
+    base = table["decode"]
+    bm = 16
+    while bm <= base.block_m:
+        for suffix in ("", "_f32"):
+            candidates[f"decode_bm{bm}{suffix}"] = dataclasses.replace(base, block_m=bm)
+        bm *= 2
+    candidates["prefill_bf16"] = table["prefill_bf16"]
+    candidates["prefill_f32"] = table["prefill_f32"]
+    return candidates
 
 
 # ----------------------------------------------------------------------------------------------- loaders
@@ -85,11 +120,27 @@ def _fp4_tile(packed: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-1).reshape(bn, 2 * half)
 
 
+def _e4m3_load(ref, index, mask, fp8_bits: bool) -> jax.Array:
+    """A masked load of e4m3 values as float32: a hardware conversion, or (fp8_bits) the ref holds the e4m3 bit
+    patterns as uint8 and integer operations decode them (`e4m3_to_f32`: targets without e4m3 instructions)."""
+    if fp8_bits:
+        return e4m3_to_f32(plt.load(ref.at[index], mask=mask, other=0))
+    return plt.load(ref.at[index], mask=mask, other=_fp8_zero()).astype(jnp.float32)
+
+
+def _fp8_operand(a: jax.Array, fp8_bits: bool) -> jax.Array:
+    """e4m3 kernel operands travel as their uint8 bit patterns when the kernel decodes them with integer ops."""
+    return lax.bitcast_convert_type(a, jnp.uint8) if fp8_bits else a
+
+
 class _Fp8BlockRhs:
-    """weight e4m3 [G, N, K], scale_inv float32 [G, ceil(N/128), ceil(K/128)]."""
+    """weight e4m3 [G, N, K] (uint8 bit patterns when fp8_bits), scale_inv float32 [G, ceil(N/128), ceil(K/128)]."""
 
     num_refs = 2
     transposed = True
+
+    def __init__(self, fp8_bits: bool = False):
+        self.fp8_bits = fp8_bits
 
     def check_block_k(self, block_k: int) -> None:
         if FP8_BLOCK % block_k:
@@ -97,7 +148,7 @@ class _Fp8BlockRhs:
 
     def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
         w_ref, _ = refs
-        w = plt.load(w_ref.at[g, row(ns), col(ks)], mask=row(nmask) & col(kmask), other=_fp8_zero())
+        w = _e4m3_load(w_ref, (g, row(ns), col(ks)), row(nmask) & col(kmask), self.fp8_bits)
         return w.astype(compute_dtype)  # e4m3 -> bf16 is exact
 
     def step_scale(self, refs, g, k0, ns, nmask):
@@ -140,14 +191,16 @@ class _Mxfp4Rhs:
 
 
 class _Nvfp4Rhs:
-    """packed uint8 [G, N, K/2], scale e4m3 [G, N, K/16], global_scale float32 [G]."""
+    """packed uint8 [G, N, K/2], scale e4m3 [G, N, K/16] (uint8 bit patterns when fp8_bits), global_scale
+    float32 [G]."""
 
     num_refs = 3
     transposed = True
 
-    def __init__(self, k_dim: int, global_multiplies: bool = False):
+    def __init__(self, k_dim: int, global_multiplies: bool = False, fp8_bits: bool = False):
         self.k_dim = k_dim
         self.final_divides = not global_multiplies  # compressed-tensors divides, ModelOpt multiplies
+        self.fp8_bits = fp8_bits
 
     def check_block_k(self, block_k: int) -> None:
         if block_k % NVFP4_BLOCK:
@@ -159,9 +212,9 @@ class _Nvfp4Rhs:
         kb = k0 // 2 + jnp.arange(bk // 2, dtype=jnp.int32)
         packed = plt.load(p_ref.at[g, row(ns), col(kb)], mask=row(nmask) & col(kb < self.k_dim // 2), other=0)
         sg = k0 // NVFP4_BLOCK + jnp.arange(bk // NVFP4_BLOCK, dtype=jnp.int32)
-        s = plt.load(s_ref.at[g, row(ns), col(sg)], mask=row(nmask) & col(sg < self.k_dim // NVFP4_BLOCK),
-                     other=_fp8_zero())
-        scale = _expand(s.astype(jnp.float32), bn, bk // NVFP4_BLOCK, NVFP4_BLOCK // 2)
+        s = _e4m3_load(s_ref, (g, row(ns), col(sg)), row(nmask) & col(sg < self.k_dim // NVFP4_BLOCK),
+                       self.fp8_bits)
+        scale = _expand(s, bn, bk // NVFP4_BLOCK, NVFP4_BLOCK // 2)
         # nibble x e4m3 has at most 6 significant bits: exact in bf16; the global scale divides at the end
         return _fp4_tile(packed, scale).astype(compute_dtype)
 
@@ -174,12 +227,15 @@ class _Nvfp4Rhs:
 
 
 def _operands(w: Any, num_groups: int):
-    """(loader, kernel operands, N, K) for a quantized weight with leading dim G."""
+    """(loader, kernel operands, N, K) for a quantized weight with leading dim G, for the target being traced
+    for (without e4m3 hardware, FP8 values are passed as bits and decoded with integer operations)."""
+    fp8_bits = not current_target().fp8_convert
     if isinstance(w, Fp8BlockWeight):
         _, n_dim, k_dim = w.weight.shape
         if w.weight.dtype != jnp.float8_e4m3fn:
             raise ValueError(f"FP8 block weight must be float8_e4m3fn, got {w.weight.dtype}")
-        return _Fp8BlockRhs(), (w.weight, w.scale_inv.astype(jnp.float32)), n_dim, k_dim
+        return (_Fp8BlockRhs(fp8_bits), (_fp8_operand(w.weight, fp8_bits), w.scale_inv.astype(jnp.float32)),
+                n_dim, k_dim)
     if isinstance(w, Mxfp4Weight):
         g, n_dim, groups, _ = w.blocks.shape
         k_dim = groups * MXFP4_BLOCK
@@ -187,7 +243,8 @@ def _operands(w: Any, num_groups: int):
     if isinstance(w, Nvfp4Weight):
         _, n_dim, half = w.packed.shape
         global_scale = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_groups,))
-        return _Nvfp4Rhs(2 * half, w.global_multiplies), (w.packed, w.scale, global_scale), n_dim, 2 * half
+        return (_Nvfp4Rhs(2 * half, w.global_multiplies, fp8_bits),
+                (w.packed, _fp8_operand(w.scale, fp8_bits), global_scale), n_dim, 2 * half)
     raise TypeError(f"expected Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got {type(w).__name__}")
 
 
@@ -247,7 +304,7 @@ def quant_gmm(
         raise ValueError(f"need w [G, N, K={x.shape[1]}] and group_sizes [G]; got w {shape}, "
                          f"group_sizes {group_sizes.shape}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    cfg = config or default_quant_config(x.shape[0], shape[2], shape[1], shape[0])
+    cfg = config or default_quant_config(x.shape[0], shape[2], shape[1], shape[0], x.dtype)
     loader, operands, n_dim, _ = _operands(w, shape[0])
     impl = choose(implementation, lambda: loader.check_block_k(cfg.block_k))
     if impl == "xla":
@@ -279,7 +336,7 @@ def quant_matmul(
     if x.ndim != 2 or len(w.shape) != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K] with the same K; got {x.shape} and {w.shape}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    cfg = config or default_quant_config(x.shape[0], w.shape[1], w.shape[0], 1)
+    cfg = config or default_quant_config(x.shape[0], w.shape[1], w.shape[0], 1, x.dtype)
     impl = choose(implementation, lambda: _operands(_with_group_dim(w), 1)[0].check_block_k(cfg.block_k))
     if impl == "xla":
         return quant_matmul_reference(x, w, out_dtype=out_dtype)

@@ -1,8 +1,11 @@
-"""Every kernel lowers for CUDA and ROCm on this CPU machine (jax.export with the Triton custom call allowed).
+"""Every kernel lowers for each GPU target on this CPU machine (jax.export with the Triton custom call allowed).
 
-This proves the Triton backend accepts each kernel (shapes, dtypes -- fp8 and uint8-packed fp4 included --,
-masks, gathers, loops); only a GPU proves it compiles and runs (benchmarks/gpu_kernels.py). Shapes here are
-realistic (bf16, hundreds of tokens, 64-256 experts) and use the default tilings, i.e. what a GPU would run.
+Targets: sm_80 (A100) and sm_90 (H100/H200) lower for CUDA, gfx942 (MI300) for ROCm, each under
+`pallas_kernels.lowering_context`, which selects the target's tilings and code paths (no e4m3 conversion on
+sm_80) and gives JAX 0.11+ the abstract GPU it asks for. This proves the Triton backend accepts each kernel
+(shapes, dtypes -- fp8 and uint8-packed fp4 included --, masks, gathers, loops); tests/test_pallas_compile.py
+compiles the kernels with triton for each architecture; only a GPU proves they run (benchmarks/gpu_check.py).
+Shapes here are realistic (bf16, hundreds of tokens, 64-256 experts) and use the default tilings.
 """
 
 from __future__ import annotations
@@ -67,15 +70,33 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def _export(name: str, target: str) -> str:
+    fn, args, _ = CASES[name]
+    with pk.lowering_context(target) as t:
+        exported = jax.export.export(
+            jax.jit(lambda *a: fn(*a)), platforms=[t.platform],  # a fresh function: jit caches ignore the target
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("target", sorted(pk.TARGETS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_lowers(name, platform):
-    fn, args, num_kernels = CASES[name]
-    exported = jax.export.export(
-        jax.jit(fn), platforms=[platform],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-    text = exported.mlir_module()
-    assert text.count(TRITON_CALL) == num_kernels, f"{name}: expected {num_kernels} Triton kernels"
+def test_kernel_lowers(name, target):
+    num_kernels = CASES[name][2]
+    assert _export(name, target).count(TRITON_CALL) == num_kernels, f"{name}: expected {num_kernels} Triton kernels"
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if "fp8" in n or "nvfp4" in n])
+def test_sm80_kernels_convert_no_e4m3(name):
+    """A100 has no e4m3 conversion: its kernels take the e4m3 bytes as uint8 and decode them with integer ops;
+    H100 kernels convert in hardware (the e4m3 type appears in their Triton modules)."""
+    from pallas_kernels.offline import triton_kernels
+
+    def e4m3_in_kernels(target):
+        return any("f8E4M3FN" in k.ttir for k in triton_kernels(_export(name, target)))
+
+    assert not e4m3_in_kernels("sm_80")
+    assert e4m3_in_kernels("sm_90")
 
 
 def test_auto_exports_plain_xla_on_cpu(monkeypatch):

@@ -57,6 +57,17 @@ def test_bit_decoders_are_exact():
     np.testing.assert_array_equal(np.asarray(quant.e8m0_to_f32(jnp.asarray(s))), expected)
 
 
+def test_e4m3_bit_decoder_is_exact_for_every_code():
+    """All 256 float8_e4m3fn patterns (subnormals, both zeros, NaNs) decode as ml_dtypes converts them."""
+    bits = np.arange(256, dtype=np.uint8)
+    expected = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(jax.jit(quant.e4m3_to_f32)(jnp.asarray(bits)))
+    finite = ~np.isnan(expected)
+    assert int(finite.sum()) == 254  # 0x7F and 0xFF are the only NaNs
+    np.testing.assert_array_equal(got[finite].view(np.uint32), expected[finite].view(np.uint32))  # -0.0 too
+    assert np.all(np.isnan(got[~finite]))
+
+
 def test_dequant_fp8_block_numpy_exact():
     weight = _random_fp8((2, 200, 300))  # edge blocks partial in both dims, a leading expert dim
     scale_inv = RNG.rand(2, 2, 3).astype(np.float32)
@@ -137,6 +148,43 @@ class TestQuantMatmul(KernelTestBase):
         x = random_normal(5, (4, 256), jnp.bfloat16)
         out = self.call(pk.quant_matmul, x, w, static=dict(config=SMALL))
         assert_close(out, jax.jit(partial(pk.quant_matmul_reference, out_dtype=jnp.float32))(x, w), jnp.bfloat16)
+
+
+def _pallas_operand_dtypes(fn, *args) -> list:
+    """Dtypes of the operands of every pallas_call in fn's jaxpr (nested jaxprs included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(v.aval.dtype for v in eqn.invars)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "nvfp4_modelopt"])
+def test_e4m3_bit_path_of_targets_without_fp8_hardware(fmt):
+    """Traced for sm_80 (no e4m3 conversion), the kernels read e4m3 weights / scales as uint8 bit patterns and
+    decode them with integer operations; the result matches the reference as on the other targets."""
+    w = FORMATS["nvfp4" if fmt.startswith("nvfp4") else fmt](random_normal(2, (3, 24, 128)))
+    if fmt == "nvfp4_modelopt":
+        w = pk.Nvfp4Weight(w.packed, w.scale, 1.0 / w.global_scale, True)
+    x = random_normal(3, (25, 128), jnp.bfloat16)
+    sizes = jnp.asarray([7, 0, 12], jnp.int32)
+    # a new function per target: jax.jit caches traces by shapes, not by the target context
+    run = lambda x, w, g: pk.quant_gmm(x, w, g, implementation="interpret", config=SMALL, out_dtype=jnp.float32)
+    with pk.use_target("sm_80"):
+        operands = _pallas_operand_dtypes(run, x, w, sizes)
+        out = jax.jit(run)(x, w, sizes)
+    assert jnp.uint8 in operands and jnp.float8_e4m3fn not in operands, operands
+    with pk.use_target("sm_90"):  # hardware conversion: the e4m3 array goes in as it is
+        assert jnp.float8_e4m3fn in _pallas_operand_dtypes(lambda *a: run(*a), x, w, sizes)
+    assert_close(out, jax.jit(partial(pk.quant_gmm_reference, out_dtype=jnp.float32))(x, w, sizes), jnp.bfloat16)
 
 
 def test_fp8_kernel_rejects_block_k_not_dividing_128():

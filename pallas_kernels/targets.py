@@ -1,0 +1,143 @@
+"""GPU targets the kernels are built for, and which one a call is traced for.
+
+A target is one GPU generation: what the Triton compiler needs to know (platform, architecture) and the limits
+that decide the tiling (shared memory per block, SMs to fill) or the code path (hardware e4m3 conversion).
+Kernel tilings are tables keyed by target name (see `tilings.py`); nothing else in the package branches on the
+hardware.
+
+| target | GPUs | shared memory / block | e4m3 conversion |
+|---|---|---|---|
+| sm_80 | A100 (and other Ampere) | 166,912 bytes (163 KiB opt-in) | none: decoded with integer bit operations |
+| sm_90 | H100 / H200 | 232,448 bytes (227 KiB opt-in) | hardware |
+| gfx942 | MI300X / MI300A | 65,536 bytes (64 KiB LDS) | hardware |
+
+Which target a trace uses:
+1. an explicit `use_target(name)` context (tests and the offline compile export for each target in turn);
+2. else the default device, when it is a GPU: its compute capability (CUDA) or gfx name (ROCm);
+3. else `DEFAULT_TARGET` (CPU hosts: the interpreter runs the kernels with that target's tiling).
+
+`lowering_context(target)` additionally hands newer JAX (0.11+), which asks the device for its compute capability
+while lowering a Triton kernel, an abstract GPU of that generation, so kernels lower for a GPU on a CPU-only host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator
+
+import jax
+
+__all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "current_target", "use_target", "target_of_device",
+           "lowering_context", "get_target"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One GPU generation.
+
+    Attributes:
+      name: "sm_80", "sm_90" or "gfx942" (the key of `TARGETS` and of the tiling tables).
+      platform: the JAX export platform, "cuda" or "rocm".
+      arch: Triton's architecture: the compute capability as an int (80, 90) or the gfx name.
+      warp_size: threads per warp (32) or wavefront (64).
+      shared_bytes: the most shared memory (LDS) one block may use; Triton checks it only at load time.
+      num_sms: streaming multiprocessors / compute units, which split-K heuristics aim to fill.
+      fp8_convert: the hardware converts float8_e4m3fn; without it kernels decode e4m3 with integer operations.
+      device_kind: the device kind JAX reports for such a GPU (used for an abstract device when lowering).
+      gpus: what users call these GPUs.
+    """
+
+    name: str
+    platform: str
+    arch: int | str
+    warp_size: int
+    shared_bytes: int
+    num_sms: int
+    fp8_convert: bool
+    device_kind: str
+    gpus: str
+
+
+TARGETS: dict[str, Target] = {
+    "sm_80": Target("sm_80", "cuda", 80, 32, 166_912, 108, False, "NVIDIA A100-SXM4-80GB", "A100"),
+    "sm_90": Target("sm_90", "cuda", 90, 32, 232_448, 132, True, "NVIDIA H100 80GB HBM3", "H100/H200"),
+    "gfx942": Target("gfx942", "rocm", "gfx942", 64, 65_536, 304, True, "gfx942", "MI300"),
+}
+DEFAULT_TARGET = "sm_90"
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("tutel_jax_kernel_target", default=None)
+
+
+def get_target(name: str | Target) -> Target:
+    """A Target by name (or the Target itself); a clear error for an unknown name."""
+    if isinstance(name, Target):
+        return name
+    if name not in TARGETS:
+        raise ValueError(f"unknown kernel target {name!r}; expected one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
+def target_of_device(device: jax.Device) -> Target | None:
+    """The target of a JAX GPU device (None for a CPU or TPU device).
+
+    CUDA devices map by compute capability: 9.0 and newer to sm_90, 8.x to sm_80 (8.9 has e4m3 hardware, but the
+    bit decoder is exact on it as well). ROCm devices map to gfx942 (the only AMD target; gfx90a shares its LDS
+    size)."""
+    if device.platform not in ("gpu", "cuda", "rocm"):
+        return None
+    capability = str(getattr(device, "compute_capability", "") or "")
+    kind = str(getattr(device, "device_kind", "") or "")
+    if capability.startswith("gfx") or kind.startswith("gfx") or device.platform == "rocm":
+        return TARGETS["gfx942"]
+    try:
+        major = int(capability.split(".")[0])
+    except ValueError:
+        return TARGETS[DEFAULT_TARGET]
+    return TARGETS["sm_90"] if major >= 9 else TARGETS["sm_80"]
+
+
+def current_target() -> Target:
+    """The target the kernels are traced for now (see the module docstring for the order)."""
+    name = _override.get()
+    if name is not None:
+        return TARGETS[name]
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:  # no backend at all
+        return TARGETS[DEFAULT_TARGET]
+    return target_of_device(device) or TARGETS[DEFAULT_TARGET]
+
+
+@contextlib.contextmanager
+def use_target(name: str | Target) -> Iterator[Target]:
+    """Trace kernels for `name` inside the block (tiling tables and code paths of that GPU generation)."""
+    target = get_target(name)
+    token = _override.set(target.name)
+    try:
+        yield target
+    finally:
+        _override.reset(token)
+
+
+def _abstract_gpu_mesh(target: Target):
+    """An abstract one-device mesh on a GPU of `target` (JAX versions that have AbstractDevice), else None."""
+    device_cls = getattr(jax.sharding, "AbstractDevice", None)
+    if device_cls is None:
+        return None
+    device = device_cls(device_kind=target.device_kind, num_cores=target.num_sms, platform="gpu")
+    try:
+        return jax.sharding.AbstractMesh((1,), ("_target",), abstract_device=device)
+    except TypeError:  # an AbstractMesh without abstract devices
+        return None
+
+
+@contextlib.contextmanager
+def lowering_context(name: str | Target) -> Iterator[Target]:
+    """`use_target(name)`, plus an abstract GPU of that generation where JAX needs one to lower Triton kernels
+    without a GPU (JAX 0.11+). Use it around `jax.export.export(...)` for `target.platform`."""
+    target = get_target(name)
+    mesh = _abstract_gpu_mesh(target)
+    with use_target(target), (jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+        yield target
