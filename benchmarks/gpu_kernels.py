@@ -23,6 +23,7 @@ Results go to a JSON file. The exit status is 1 when a check fails (a missed tar
 from __future__ import annotations
 
 import argparse
+import secrets
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ from benchmarks.common import machine_info, repo_root, write_json
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
+QUANTIZERS = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}
 
 
 # ------------------------------------------------------------------------------------------------- timing
@@ -70,6 +72,21 @@ def time_fn(fn: Callable, *args, min_loop_s: float = 0.05, repeats: int = 5, max
         samples.append((time.perf_counter() - start) / calls)
     return {"median_s": statistics.median(samples), "min_s": min(samples), "calls_per_loop": calls,
             "repeats": repeats}
+
+
+def make_timer(dry_run: bool) -> Callable[..., dict[str, float]]:
+    """`time_fn`, or in a dry run a single call (the CPU interpreter only proves the timing code runs)."""
+    return partial(time_fn, min_loop_s=0.0, repeats=1, max_calls=1) if dry_run else time_fn
+
+
+def kernel_implementation(dry_run: bool) -> str:
+    """The `implementation=` of the kernels under test: the Triton kernels on a GPU, else Pallas' interpreter."""
+    return "pallas" if pk.gpu_backend() and not dry_run else "interpret"
+
+
+def fresh_seed() -> int:
+    """A new input seed for every run (recorded in the results, so a failure can be replayed with --seed)."""
+    return secrets.randbelow(2 ** 31)
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -126,13 +143,48 @@ def shapes(dry_run: bool, quick: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- checks
 
 
-def max_error(actual, expected) -> tuple[float, float]:
+def max_error(actual, expected, scale_floor: float = 1.0) -> tuple[float, float]:
+    """(max |actual - expected|, max(scale_floor, max |expected|)); inf error for a shape or NaN/inf mismatch."""
     a = np.asarray(jnp.asarray(actual, F32))
     e = np.asarray(jnp.asarray(expected, F32))
-    scale = max(1.0, float(np.max(np.abs(e), initial=0.0)))
+    scale = max(scale_floor, float(np.max(np.abs(e), initial=0.0)))
     if a.shape != e.shape or not np.array_equal(np.isfinite(a), np.isfinite(e)):
         return float("inf"), scale
     return float(np.max(np.abs(a - e), initial=0.0)), scale
+
+
+def compare_trees(actual: Any, expected: Any, tolerance: float, *, scale_floor: float = 1.0) -> dict[str, Any]:
+    """Leaf by leaf, |actual - expected| <= tolerance x max(scale_floor, max |expected leaf|); integer leaves
+    (expert ids, slots, counts) must match exactly. A differing structure, shape or NaN/inf pattern fails.
+
+    Returns {"ok", "max_abs_error", "max_relative_error" (error / scale, the number compared with the
+    tolerance), "tolerance"}."""
+    leaves_a, leaves_e = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)
+    errs = [max_error(a, e, scale_floor) for a, e in zip(leaves_a, leaves_e)]
+    tols = [0.0 if jnp.issubdtype(jnp.asarray(e).dtype, jnp.integer) else tolerance for e in leaves_e]
+    ok = len(leaves_a) == len(leaves_e) and all(err <= t * scale for (err, scale), t in zip(errs, tols))
+    return {"ok": bool(ok), "max_abs_error": max((e for e, _ in errs), default=0.0),
+            "max_relative_error": max((e / s for e, s in errs), default=0.0), "tolerance": tolerance}
+
+
+def check_against_reference(name: str, kernel_fn: Callable, reference_fn: Callable, args: tuple,
+                            dtype: str = "float32", exact: bool = False) -> dict[str, Any]:
+    """One check: jitted kernel_fn(*args) == reference_fn(*args) within TOLERANCE[dtype] (0 if exact); an
+    exception (a kernel that fails to compile or run) is a failed check, not a crash."""
+    started = time.perf_counter()
+    try:
+        with jax.default_matmul_precision("highest"):  # float32 references without TF32
+            expected = jax.jit(reference_fn)(*args)
+        actual = jax.jit(kernel_fn)(*args)
+        cmp = compare_trees(actual, expected, 0.0 if exact else TOLERANCE[dtype])
+        entry = {"name": name, "ok": cmp["ok"], "max_abs_error": cmp["max_abs_error"],
+                 "max_relative_error": cmp["max_relative_error"], "tolerance": cmp["tolerance"], "dtype": dtype}
+    except Exception as exc:
+        entry = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    entry["seconds"] = round(time.perf_counter() - started, 3)
+    print(f"  check {name:<34} {'ok' if entry['ok'] else 'FAIL'} "
+          f"{entry.get('max_abs_error', entry.get('error', ''))}", flush=True)
+    return entry
 
 
 def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]:
@@ -140,26 +192,8 @@ def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]
     results = []
     m = 1 if dry_run else 4  # size multiplier: small on CPU, a few thousand rows on the GPU
 
-    def check(name, kernel_fn, reference_fn, args, dtype="float32", exact=False):
-        started = time.perf_counter()
-        try:
-            with jax.default_matmul_precision("highest"):  # float32 references without TF32
-                expected = jax.jit(reference_fn)(*args)
-            actual = jax.jit(kernel_fn)(*args)
-            leaves_a, leaves_e = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)
-            errs = [max_error(a, e) for a, e in zip(leaves_a, leaves_e)]
-            tol = 0.0 if exact else TOLERANCE[dtype]
-            # integer outputs (expert ids, slots, counts) must match exactly
-            tols = [0.0 if jnp.issubdtype(jnp.asarray(e).dtype, jnp.integer) else tol for e in leaves_e]
-            ok = len(leaves_a) == len(leaves_e) and all(err <= t * scale for (err, scale), t in zip(errs, tols))
-            entry = {"name": name, "ok": bool(ok), "max_abs_error": max(e for e, _ in errs),
-                     "tolerance": tol, "dtype": dtype}
-        except Exception as exc:  # a kernel that fails to compile or run is a failed check, not a crash
-            entry = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        entry["seconds"] = round(time.perf_counter() - started, 3)
-        print(f"  check {name:<34} {'ok' if entry['ok'] else 'FAIL'} "
-              f"{entry.get('max_abs_error', entry.get('error', ''))}", flush=True)
-        results.append(entry)
+    def check(*args, **kwargs):
+        results.append(check_against_reference(*args, **kwargs))
 
     kernel = dict(implementation=impl)
     small = dict(config=pk.GmmConfig(16, 32, 32, num_warps=4, num_stages=1)) if dry_run else {}
@@ -221,9 +255,8 @@ def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]
     check("gmm_vjp", gmm_grad(impl), gmm_grad("xla"), (lhs, rhs))
 
     # quantized
-    quantizers = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}
     kq, nq = 128 * m + 128, 64 * m + 24
-    for fmt, quantize in quantizers.items():
+    for fmt, quantize in QUANTIZERS.items():
         w = jax.jit(quantize)(inputs.normal((nq, kq)))
         for rows_q, dtype in ((5, BF16),) + (() if dry_run else ((37 * m, F32),)):
             xq = inputs.normal((rows_q, kq), dtype)
@@ -257,44 +290,48 @@ def measure_ceilings(sz: dict, inputs: Inputs, timer) -> dict[str, Any]:
             "copy_bytes": 2 * elems * 2}
 
 
-def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer, seed: int) -> list[dict[str, Any]]:
+def bench_entry(name: str, kernel_fn: Callable, reference_fn: Callable, args: tuple, *, timer: Callable,
+                ceilings: dict, flops: float = 0.0, nbytes: float = 0.0, target: tuple | None = None
+                ) -> dict[str, Any]:
+    """Times kernel_fn and reference_fn on args; rates, fractions of the ceilings and the target (kind, ratio,
+    baseline) met or not. A variant that fails is recorded with its error."""
+    entry: dict[str, Any] = {"name": name, "flops": flops, "bytes": nbytes}
+    for label, fn in (("kernel", kernel_fn), ("reference", reference_fn)):
+        try:
+            entry[label] = timer(jax.jit(fn), *args)
+        except Exception as exc:
+            entry[label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    k_s = entry["kernel"].get("median_s")
+    r_s = entry["reference"].get("median_s")
+    if k_s:
+        entry["tflops"] = flops / k_s / 1e12 if flops else None
+        entry["gbps"] = nbytes / k_s / 1e9 if nbytes else None
+        entry["fraction_of_matmul"] = entry["tflops"] / ceilings["matmul_bf16_tflops"] if flops else None
+        entry["fraction_of_copy"] = entry["gbps"] / ceilings["copy_gbps"] if nbytes else None
+    if k_s and r_s:
+        entry["speedup_vs_reference"] = r_s / k_s
+    if target is not None and k_s:
+        kind, ratio, base = target
+        achieved = entry["tflops"] if kind == "tflops" else entry["gbps"]
+        entry["target"] = {"metric": kind, "ratio": ratio, "baseline": base, "achieved_ratio": achieved / base,
+                           "met": bool(achieved >= ratio * base)}
+    tf = f"{entry['tflops']:.1f} TFLOP/s" if entry.get("tflops") else ""
+    gb = f"{entry['gbps']:.0f} GB/s" if entry.get("gbps") else ""
+    tgt = ""
+    if "target" in entry:
+        tgt = f" target {entry['target']['ratio']:.0%}: {entry['target']['achieved_ratio']:.0%} " \
+              f"{'met' if entry['target']['met'] else 'MISSED'}"
+    print(f"  {name:<40} kernel {k_s * 1e3 if k_s else float('nan'):9.3f} ms  "
+          f"ref {r_s * 1e3 if r_s else float('nan'):9.3f} ms  {tf} {gb}{tgt}", flush=True)
+    return entry
+
+
+def time_gmm(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
+             ) -> list[dict[str, Any]]:
+    """Grouped matmul at the target shape; the baseline is the dense matmul of the same T, K, N."""
     results = []
-
-    def bench(name, kernel_fn, reference_fn, args, *, flops=0.0, nbytes=0.0, target=None):
-        entry: dict[str, Any] = {"name": name, "flops": flops, "bytes": nbytes}
-        for label, fn in (("kernel", kernel_fn), ("reference", reference_fn)):
-            try:
-                entry[label] = timer(jax.jit(fn), *args)
-            except Exception as exc:
-                entry[label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        k_s = entry["kernel"].get("median_s")
-        r_s = entry["reference"].get("median_s")
-        if k_s:
-            entry["tflops"] = flops / k_s / 1e12 if flops else None
-            entry["gbps"] = nbytes / k_s / 1e9 if nbytes else None
-            entry["fraction_of_matmul"] = entry["tflops"] / ceilings["matmul_bf16_tflops"] if flops else None
-            entry["fraction_of_copy"] = entry["gbps"] / ceilings["copy_gbps"] if nbytes else None
-        if k_s and r_s:
-            entry["speedup_vs_reference"] = r_s / k_s
-        if target is not None and k_s:
-            kind, ratio, base = target
-            achieved = entry["tflops"] if kind == "tflops" else entry["gbps"]
-            entry["target"] = {"metric": kind, "ratio": ratio, "baseline": base, "achieved_ratio": achieved / base,
-                               "met": bool(achieved >= ratio * base)}
-        tf = f"{entry['tflops']:.1f} TFLOP/s" if entry.get("tflops") else ""
-        gb = f"{entry['gbps']:.0f} GB/s" if entry.get("gbps") else ""
-        tgt = ""
-        if "target" in entry:
-            tgt = f" target {entry['target']['ratio']:.0%}: {entry['target']['achieved_ratio']:.0%} " \
-                  f"{'met' if entry['target']['met'] else 'MISSED'}"
-        print(f"  {name:<40} kernel {k_s * 1e3 if k_s else float('nan'):9.3f} ms  "
-              f"ref {r_s * 1e3 if r_s else float('nan'):9.3f} ms  {tf} {gb}{tgt}", flush=True)
-        results.append(entry)
-
+    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     kernel = dict(implementation=impl)
-    copy = ceilings["copy_gbps"]
-
-    # grouped matmul at the target shape; the baseline is the dense matmul of the same T, K, N
     t, kdim, ndim, g = sz["gmm"]
     lhs, rhs = inputs.normal((t, kdim), BF16), inputs.normal((g, kdim, ndim), BF16)
     dense = timer(jax.jit(lambda a, b: a @ b), lhs, rhs[0])
@@ -314,21 +351,28 @@ def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer, seed
     bench("gmm_fwd_bwd_balanced", vjp(impl), vjp("xla"), (lhs, rhs), flops=3 * flops)
     bench("tgmm_balanced", lambda a, c: pk.tgmm(a, c, sizes, **kernel), lambda a, c: pk.tgmm_reference(a, c, sizes),
           (lhs, cot), flops=flops)
+    return results
 
-    # quantized decode matmul: memory bound on the quantized bytes
+
+def time_quant(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
+               ) -> list[dict[str, Any]]:
+    """Quantized decode matmul (memory bound on the quantized bytes: target 60% of the copy rate) and the
+    grouped quantized matmul."""
+    results = []
+    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
+    kernel = dict(implementation=impl)
     rows_max, kq, nq = sz["quant"]
-    quantizers = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}
-    for fmt, quantize in quantizers.items():
+    for fmt, quantize in QUANTIZERS.items():
         w = jax.jit(quantize)(inputs.normal((nq, kq)))
         for rows in sz.get("decode_rows", (rows_max,)):
             x = inputs.normal((rows, kq), BF16)
             nbytes = w.nbytes() + x.size * 2 + rows * nq * 2
             bench(f"quant_matmul_{fmt}_M{rows}_K{kq}_N{nq}", lambda x, w: pk.quant_matmul(x, w, **kernel),
                   lambda x, w: pk.quant_matmul_reference(x, w), (x, w), flops=2.0 * rows * kq * nq, nbytes=nbytes,
-                  target=("gbps", 0.6, copy))
+                  target=("gbps", 0.6, ceilings["copy_gbps"]))
     tq, gq, nqg, kqg = sz["quant_gmm"]
     gsizes = balanced_sizes(tq, gq)
-    for fmt, quantize in quantizers.items():
+    for fmt, quantize in QUANTIZERS.items():
         if sz["dry"] and fmt != "nvfp4":
             continue
         wg = jax.jit(quantize)(inputs.normal((gq, nqg, kqg), scale=0.1))
@@ -336,8 +380,16 @@ def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer, seed
         nbytes = wg.nbytes() + x.size * 2 + tq * nqg * 2
         bench(f"quant_gmm_{fmt}_T{tq}_G{gq}_N{nqg}_K{kqg}", lambda x, w: pk.quant_gmm(x, w, gsizes, **kernel),
               lambda x, w: pk.quant_gmm_reference(x, w, gsizes), (x, wg), flops=2.0 * tq * kqg * nqg, nbytes=nbytes)
+    return results
 
-    # dispatch: bandwidth
+
+def time_dispatch(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
+                  ) -> list[dict[str, Any]]:
+    """encode / decode / permute: bandwidth, target 50% of the copy rate."""
+    results = []
+    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
+    kernel = dict(implementation=impl)
+    copy = ceilings["copy_gbps"]
     tokens, dim, experts, k = sz["dispatch"]
     capacity = tokens * k // experts
     slots, routing = buffer_routing(inputs, tokens, experts, k, capacity)
@@ -360,8 +412,14 @@ def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer, seed
     bench(f"permute_S{tokens}_M{dim}_k{k}", lambda x: pk.permute(x, ones, rows, **kernel),
           lambda x: pk.encode_reference(x, ones, rows, k * tokens), (x,),
           nbytes=2.0 * k * tokens * dim * 2, target=("gbps", 0.5, copy))
+    return results
 
-    # gating: bytes of logits in and routing out
+
+def time_gating(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
+                ) -> list[dict[str, Any]]:
+    """Gating: bytes of logits in and routing out."""
+    results = []
+    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     for tokens, experts, k, score_fn, groups in sz["gating"]:
         logits = inputs.normal((tokens, experts), F32, scale=2.0)
         bias = inputs.normal((experts,), scale=0.3)
@@ -373,6 +431,20 @@ def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer, seed
     return results
 
 
+#: timing sections, in run order
+TIMING_SECTIONS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+    "gmm": time_gmm, "quant": time_quant, "dispatch": time_dispatch, "gating": time_gating}
+
+
+def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int,
+                sections: tuple[str, ...] = tuple(TIMING_SECTIONS)) -> list[dict[str, Any]]:
+    """Kernel vs XLA reference timings of the chosen `sections` (keys of TIMING_SECTIONS)."""
+    results = []
+    for section in sections:
+        results += TIMING_SECTIONS[section](impl, sz, inputs, ceilings, timer, seed)
+    return results
+
+
 # -------------------------------------------------------------------------------------------------- main
 
 
@@ -381,18 +453,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/gpu_kernels[_dry_run].json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpret-mode kernels")
     parser.add_argument("--quick", action="store_true", help="fewer decode sizes")
-    parser.add_argument("--seed", type=int, default=None, help="input seed (default: time based, fresh each run)")
+    parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run)")
     parser.add_argument("--skip-timings", action="store_true", help="checks only")
     args = parser.parse_args(argv)
 
-    seed = int(time.time()) % (2 ** 31) if args.seed is None else args.seed
+    seed = fresh_seed() if args.seed is None else args.seed
     on_gpu = pk.gpu_backend()
     if not on_gpu and not args.dry_run:
         print("no GPU backend: run with --dry-run on CPU (interpret-mode kernels, tiny shapes)", file=sys.stderr)
         return 2
-    impl = "pallas" if on_gpu and not args.dry_run else "interpret"
+    impl = kernel_implementation(args.dry_run)
     sz = shapes(args.dry_run, args.quick)
-    timer = partial(time_fn, min_loop_s=0.0, repeats=1, max_calls=1) if args.dry_run else time_fn
+    timer = make_timer(args.dry_run)
     inputs = Inputs(seed)
     started = time.perf_counter()
     print(f"pallas_kernels on {jax.devices()[0].device_kind} ({jax.default_backend()}), implementation={impl}, "

@@ -48,6 +48,26 @@ def col(v: jax.Array) -> jax.Array:
     return v[None, :]
 
 
+def _varying_over_operands(out_shape: Any, operands: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """Inside `shard_map` (check_vma), a kernel's outputs need a manual-axis type: the outputs vary over every
+    mesh axis an operand varies over, and the invariant operands are cast to varying over those axes too (one
+    type for all). Outside shard_map every type is empty and nothing changes."""
+    types = [getattr(jax.typeof(o), "manual_axis_type", None) for o in operands]
+    if not types or any(t is None for t in types):  # a JAX without manual-axis types on avals
+        return out_shape, list(operands)
+    axes = frozenset().union(*(t.varying for t in types))
+    if axes:
+        cast = getattr(jax.lax, "pcast", None)
+        operands = [o if axes <= t.varying else
+                    (cast(o, tuple(sorted(axes - t.varying)), to="varying") if cast is not None
+                     else jax.lax.pvary(o, tuple(sorted(axes - t.varying))))
+                    for o, t in zip(operands, types)]
+    mat = type(types[0])(varying=axes)
+    typed = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
+    return typed, list(operands)
+
+
 def triton_call(
     kernel: Callable[..., None],
     *,
@@ -58,14 +78,22 @@ def triton_call(
     interpret: bool,
     name: str,
 ) -> Callable[..., Any]:
-    """`pl.pallas_call` for the Triton backend: whole-array refs (no BlockSpecs), explicit compiler params."""
+    """`pl.pallas_call` for the Triton backend: whole-array refs (no BlockSpecs), explicit compiler params.
+
+    The returned function takes the operands; inside `shard_map` the outputs get the operands' varying mesh
+    axes (`_varying_over_operands`), so the kernels run in expert-parallel layers with `check_vma` on."""
     grid = tuple(max(int(g), 1) for g in grid)
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=name,
-    )
+
+    def call(*operands):
+        typed_out_shape, operands = _varying_over_operands(out_shape, operands)
+        return pl.pallas_call(
+            kernel,
+            out_shape=typed_out_shape,
+            grid=grid,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name=name,
+        )(*operands)
+
+    return call
 

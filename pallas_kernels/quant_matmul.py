@@ -18,12 +18,13 @@ per format that turns the quantized bytes of one [block_n, block_k] tile into co
 With bf16 activations the products are therefore exact and only the float32 accumulation order differs from
 the reference.
 
-Intended tiling (decode, M <= 64, memory bound; target >= 60% of the roofline of the quantized bytes):
-block_m = next_pow2(M) (>= 16, the MMA minimum), block_n = 64, block_k = 128 (one FP8 scale block, four MXFP4
-groups, eight NVFP4 groups), and split-K so that N tiles x splits >= 2 programs per SM (264 on an H100/H200, `Target.num_sms`):
-each program streams a [64, 128] byte tile per step (8 KiB FP8, 4 KiB FP4) with 3-4 pipeline stages in flight.
-The float32 partials [splits, M, N] are tiny at decode sizes and summed by XLA (deterministic, no atomics).
-Prefill (large M) uses the gmm tiles (128 x 128 x 64).
+Tiling (`QUANT_TILINGS`, per target; checked by the offline compile for shared memory and register spills):
+decode (at most 64 rows per expert, memory bound): block_m = next_pow2(rows) (>= 16, the MMA minimum),
+block_n = 64, block_k = 64 on the NVIDIA targets (128 on MI300), and split-K so that N tiles x splits >= 2
+programs per SM (`Target.num_sms`): each program streams a [64, 64] byte tile per step (4 KiB FP8, 2 KiB FP4)
+with 4 pipeline stages in flight. The float32 partials [splits, M, N] are tiny at decode sizes and summed by XLA
+(deterministic, no atomics). Prefill (larger groups) uses 128-row tiles. FP8 on a target without e4m3
+conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`quant.e4m3_to_f32`).
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ DECODE_ROWS = 64
 #: the prefill tilings for 16-bit and float32 activations. The weight tile is raw quantized bytes in shared memory
 #: (1 byte per FP8 element, half a byte per FP4 one), the activation tile is bm * bk * itemsize per stage.
 QUANT_TILINGS: dict[str, dict[str, GmmConfig]] = {
-    "sm_80": {"decode": GmmConfig(64, 64, 128, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
+    # A100: the dequantized [bn, bk] tile and the MMA operands share the register file (no wgmma), so narrower
+    # tiles than on H100 keep every format free of spills
+    "sm_80": {"decode": GmmConfig(64, 64, 64, 1, 4, 4), "prefill_bf16": GmmConfig(128, 64, 64, 1, 8, 3),
+              "prefill_f32": GmmConfig(128, 64, 32, 1, 8, 3)},
+    "sm_90": {"decode": GmmConfig(64, 64, 64, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
               "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
-    "sm_90": {"decode": GmmConfig(64, 64, 128, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
-              "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
+    # MI300: 64 KiB of LDS per workgroup holds two stages
     "gfx942": {"decode": GmmConfig(64, 64, 128, 1, 4, 2), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 2),
                "prefill_f32": GmmConfig(64, 128, 64, 1, 4, 2)},
 }

@@ -105,3 +105,39 @@ def test_auto_exports_plain_xla_on_cpu(monkeypatch):
     fn, args, _ = CASES["gmm"]
     exported = jax.export.export(jax.jit(lambda a, b, g: pk.gmm(a, b, g)), platforms=["cpu"])(*args)
     assert TRITON_CALL not in exported.mlir_module()
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.0])
+def test_expert_parallel_layer_runs_kernels_inside_shard_map(cf):
+    """The expert-parallel layer with kernel_backend="pallas" lowers for CUDA with its kernels inside shard_map
+    (check_vma on): the kernels' outputs take the operands' varying mesh axes. Forward and gradients.
+    (Pallas' interpreter cannot run inside shard_map with check_vma, so this is proven by lowering.)"""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from tutel_jax import init_params, make_config
+    from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
+
+    placement = ExpertParallel(Mesh(np.array(jax.devices()[:1]), ("expert",)))
+    config = make_config({"type": "top", "k": 2, "capacity_factor": cf}, 64,
+                         {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 64}, world_size=1,
+                         kernel_backend="pallas")
+    params = shard_params(init_params(config, jax.random.key(0)), placement, config)
+
+    def loss(p, x):
+        y, aux = moe_apply_parallel(p, x, config, placement)
+        return jnp.sum(y) + aux.l_aux
+
+    x = jnp.ones((2, 16, 64), jnp.float32)
+    try:
+        with pk.use_target("sm_90"):  # the layer's own mesh: no abstract GPU mesh can surround it
+            exported = jax.export.export(
+                jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(params, x)
+    except Exception as error:  # JAX 0.11+ asks the device for its compute capability while lowering
+        if "No supported GPU devices found" not in str(error):
+            raise
+        pytest.skip("this JAX lowers Triton kernels only on a GPU or under an abstract GPU mesh, which a layer "
+                    "sharded over a concrete CPU mesh cannot have (JAX 0.10 runs this test)")
+    text = exported.mlir_module()
+    assert text.count(TRITON_CALL) >= 4  # gating, dispatch, expert matmuls and their backward kernels
