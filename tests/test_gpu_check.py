@@ -7,7 +7,6 @@ The real run needs a GPU; this proves the script and its verdicts work, not any 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from test_pallas_benchmark import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -29,15 +30,7 @@ KERNEL_PREFIXES = ("gating", "encode", "decode", "permute", "gmm", "tgmm", "gmm_
                    "quant_matmul_mxfp4", "quant_matmul_nvfp4", "quant_gmm")
 
 
-def _load_script():
-    # by path, as `python benchmarks/gpu_check.py` runs it
-    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_script()
+gpu_check = load_script(SCRIPT, "gpu_check_script")
 
 
 @pytest.fixture(scope="module")

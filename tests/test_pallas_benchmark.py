@@ -13,15 +13,16 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_kernels.py"
 
 
-def _load_script():
-    # by path, as `python benchmarks/gpu_kernels.py` runs it (works whether or not the repo root is on sys.path)
-    spec = importlib.util.spec_from_file_location("gpu_kernels_script", SCRIPT)
+def load_script(path: Path, name: str):
+    """A benchmark script imported by path, as `python benchmarks/<script>.py` runs it (whether or not the repo
+    root is on sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-gpu_kernels = _load_script()
+gpu_kernels = load_script(SCRIPT, "gpu_kernels_script")
 
 
 def test_dry_run_writes_json(tmp_path):
