@@ -17,7 +17,8 @@ and gathers are deterministic):
     tile: token = owner % S, one gathered row per slot, times its weight.
   - `_combine_kernel` (decode): each program owns [block_rows tokens, block_cols]; it gathers the k source
     rows and accumulates them in float32 in choice order.
-  - `_row_dots_kernel` (weight gradients): <a[s], b[slot_j(s)]> per assignment, float32.
+  - `_row_dots_kernel` (weight gradients): <a[s], b[slot_j(s)]> per assignment, float32. Its column steps hold
+    k + 1 tiles in flight, so it runs on a smaller block than the config's (`row_dots_config`, per target).
 Intended tiling for bandwidth (target: >= 50% of a device copy): 32 rows x 256 bf16 columns per program
 (16 KiB in + 16 KiB out, 512-byte contiguous row segments), 4 warps; the grid is (row blocks, column
 blocks) so the row index vectors are tiny and each row segment is one coalesced access.
@@ -38,9 +39,11 @@ from jax.experimental.pallas import triton as plt
 
 from ._select import choose
 from ._util import cdiv, check_pow2, col, row, triton_call
+from .targets import current_target, get_target
 
 __all__ = ["DispatchConfig", "encode", "decode", "permute", "unpermute", "grouped_rows", "encode_reference",
-           "decode_reference", "row_dots_reference", "default_dispatch_config"]
+           "decode_reference", "row_dots_reference", "default_dispatch_config", "DispatchTiling",
+           "DISPATCH_TILINGS", "row_dots_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,44 @@ def default_dispatch_config(model_dim: int, dtype) -> DispatchConfig:
     """512-byte row segments (coalesced), 32 rows: 16 KiB moved each way per program."""
     cols = max(16, min(512 // jnp.dtype(dtype).itemsize, 1 << (max(model_dim, 1) - 1).bit_length()))
     return DispatchConfig(block_rows=32, block_cols=cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchTiling:
+    """How a target shrinks the dispatch config for the row-dots kernel (the weight gradients).
+
+    Each column step of `_row_dots_kernel` gathers k rows of b next to the row of a, all in flight at once: the
+    step's tiles take (k + 1) * block_rows * block_cols elements, k + 1 times what encode and decode hold.
+
+    Attributes:
+      row_dots_rows: block_rows at most (more programs: the grid has no column axis).
+      row_dots_thread_bytes: bytes each thread loads per column step over the k + 1 tiles; block_cols is halved
+        until the step fits (k = 8, bf16: 9 tiles of 16 elements, about 110 registers; 9 of 32 spill on CUDA).
+    """
+
+    row_dots_rows: int = 16
+    row_dots_thread_bytes: int = 384
+
+
+#: per target (see targets.py); the values are chosen with the offline compile report (no register spills)
+DISPATCH_TILINGS: dict[str, DispatchTiling] = {
+    "sm_80": DispatchTiling(),
+    "sm_90": DispatchTiling(),
+    "gfx942": DispatchTiling(),
+}
+
+
+def row_dots_config(cfg: DispatchConfig, k: int, itemsize: int, target: str | None = None) -> DispatchConfig:
+    """`cfg` for the row-dots kernel of k choices over `itemsize`-byte elements: at most the target's rows, and
+    block_cols halved (down to 16, or cfg's own if smaller) until a column step fits the per-thread budget."""
+    spec = get_target(target) if target else current_target()
+    tiling = DISPATCH_TILINGS[spec.name]
+    rows = min(cfg.block_rows, tiling.row_dots_rows)
+    budget = tiling.row_dots_thread_bytes * spec.warp_size * cfg.num_warps
+    cols = cfg.block_cols
+    while cols > 16 and (k + 1) * rows * cols * itemsize > budget:
+        cols //= 2
+    return dataclasses.replace(cfg, block_rows=rows, block_cols=cols)
 
 
 # ----------------------------------------------------------------------------------------------- reference
@@ -189,6 +230,7 @@ def _decode_kernel(data, weights, slots, cfg, interpret):
 def _row_dots_kernel_call(a, b, slots, cfg, interpret):
     k, num_tokens = slots.shape
     num_slots, dim = b.shape
+    cfg = row_dots_config(cfg, k, max(a.dtype.itemsize, b.dtype.itemsize))
     kernel = partial(_row_dots_kernel, num_tokens=num_tokens, num_slots=num_slots, dim=dim, k=k,
                      br=cfg.block_rows, bc=cfg.block_cols)
     return triton_call(kernel, out_shape=jax.ShapeDtypeStruct((k, num_tokens), jnp.float32),

@@ -20,16 +20,18 @@ for softmax scores; the tests check it):
     caller (a slot >= capacity is dropped), exactly as in `top_k_routing`.
 
 Kernel family (Triton backend), three steps, no atomics:
-  1. `_gating_kernel`, grid over blocks of `block_tokens` tokens: each program loads its [BT, E] logits tile
-     (E padded to a power of two, masked), computes the scores, the group mask and k rounds of
-     "max, lowest index attaining it, knock it out", the weights, and for each choice j the rank of each token
-     among the block's tokens with the same expert (a [BT, BT] comparison, independent of E) and the block's
-     per-expert counts [k, nb, E].
+  1. `_gating_kernel`, grid over blocks of `block_tokens` tokens: each program loads its [BT, W] logits tile
+     (W: E padded to a power of two, masked; with groups of a size that is no power of two, each group padded
+     on its own, see `_expert_layout`), computes the scores, the group mask (on the [BT, groups, group width]
+     view of the tile: no per-group copy) and k rounds of "max, lowest index attaining it, knock it out"; in
+     each round it stores the choice, the rank of each token among the block's tokens with the same expert (a
+     [BT, BT] comparison, independent of E) and the block's per-expert counts [k, nb, E], so nothing of a
+     round stays live in registers but its weight.
   2. XLA: an exclusive cumsum of the small [k * nb, E] count table in (choice, block) order: the number of
      assignments that precede each (choice, block) pair for every expert. This is Tutel's cumsum, done on
      block totals instead of on an [S, E] one-hot.
   3. `_locate_kernel`: location = in-block rank + offset[(choice, block), expert] (one gather per choice).
-The scores tile stays in registers: E <= 1024 is supported (larger E falls back to XLA under "auto").
+The scores tile stays in registers: W <= 1024 is supported (wider falls back to XLA under "auto").
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from jax.experimental.pallas import triton as plt
 
 from ._select import NotSupported, choose
 from ._util import cdiv, check_pow2, col, next_pow2, row, triton_call
+from .targets import current_target, get_target
 
 __all__ = ["GatingConfig", "GatingResult", "gating", "gating_reference", "slot_positions",
-           "slot_positions_reference", "default_gating_config", "MAX_KERNEL_EXPERTS"]
+           "slot_positions_reference", "default_gating_config", "MAX_KERNEL_EXPERTS", "GatingTiling",
+           "GATING_TILINGS", "tiling_candidates"]
 
 #: largest expert count the gating kernel keeps in one register tile
 MAX_KERNEL_EXPERTS = 1024
@@ -58,8 +62,9 @@ class GatingConfig:
     """Tiling of the gating kernels.
 
     Attributes:
-      block_tokens: tokens per program (power of two). The [block_tokens, E_pad] score tile lives in registers;
-        block_tokens * E_pad of about 8K float32 keeps it there with 4-8 warps.
+      block_tokens: tokens per program (power of two, >= 8). The [block_tokens, W] score tile (W: the experts
+        padded to a power of two) lives in registers, a few copies of it at a time; `default_gating_config` sizes
+        it from the target's `GatingTiling`.
       num_warps, num_stages: Triton launch parameters.
     """
 
@@ -72,12 +77,58 @@ class GatingConfig:
         check_pow2("num_warps", self.num_warps)
 
 
-def default_gating_config(num_tokens: int, num_experts: int) -> GatingConfig:
-    """A config keeping the [BT, E_pad] tile at about 8K elements."""
-    ep = next_pow2(num_experts)
-    bt = max(16, min(128, 8192 // ep))
-    bt = min(bt, max(16, next_pow2(num_tokens)))
-    return GatingConfig(block_tokens=1 << (bt.bit_length() - 1), num_warps=8 if ep >= 256 else 4)
+@dataclasses.dataclass(frozen=True)
+class GatingTiling:
+    """How a target sizes the gating kernel's [block_tokens, W] register tile.
+
+    Attributes:
+      thread_elements: tile elements per thread (the tile spreads over num_warps * warp_size threads). The
+        kernel keeps the scores and the selection scores live through the k rounds, plus the round's masks
+        (held in SGPR pairs on AMD, so AMD wants fewer per thread); more than this spills.
+      grouped_thread_elements: the same for group-limited routing (a bias tile and the group step as well).
+      max_block_tokens: block_tokens at most: each round compares the block's tokens pairwise ([BT, BT]).
+      max_warps: warps at most. A program has 4 warps at least; past the [8 tokens, W] tile at max_warps the
+        thread budget is exceeded (E = 1024: 32 elements per CUDA thread, which still fits).
+    """
+
+    thread_elements: int = 16
+    grouped_thread_elements: int = 16
+    max_block_tokens: int = 64
+    max_warps: int = 8
+
+
+#: per target (see targets.py); the values are chosen with the offline compile report (no register spills)
+GATING_TILINGS: dict[str, GatingTiling] = {
+    "sm_80": GatingTiling(),
+    "sm_90": GatingTiling(),
+    "gfx942": GatingTiling(thread_elements=8, grouped_thread_elements=8),  # wave64: the same tiles as CUDA
+}
+
+_MIN_BLOCK_TOKENS = 8
+
+
+def default_gating_config(num_tokens: int, num_experts: int, grouped: bool = False, target: str | None = None
+                          ) -> GatingConfig:
+    """The largest [BT, W] tile within the target's thread budget (`GATING_TILINGS`) at its most warps, BT in
+    [8, max_block_tokens] and not above the tokens, then the fewest warps (>= 4) holding it within the budget."""
+    spec = get_target(target) if target else current_target()
+    tiling = GATING_TILINGS[spec.name]
+    width = next_pow2(num_experts)
+    per_thread = tiling.grouped_thread_elements if grouped else tiling.thread_elements
+    budget = per_thread * spec.warp_size * tiling.max_warps  # tile elements of a program at max_warps
+    bt = min(tiling.max_block_tokens, max(_MIN_BLOCK_TOKENS, budget // width),
+             max(_MIN_BLOCK_TOKENS, next_pow2(num_tokens)))
+    bt = 1 << (bt.bit_length() - 1)
+    warps = next_pow2(cdiv(bt * width, per_thread * spec.warp_size))
+    return GatingConfig(block_tokens=bt, num_warps=min(tiling.max_warps, max(4, warps)))
+
+
+def tiling_candidates(target: str) -> dict[str, GatingConfig]:
+    """The configs `default_gating_config` picks for `target` at 512 tokens for the expert counts of the model
+    families (and the kernel's limit), keyed "softmax_e{E}" / "grouped_e{E}"."""
+    candidates = {f"softmax_e{e}": default_gating_config(512, e, target=target) for e in (8, 32, 128, 256, 1024)}
+    candidates["grouped_e256"] = default_gating_config(512, 256, grouped=True, target=target)
+    return candidates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +254,9 @@ def _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group):
 # ------------------------------------------------------------------------------------------------- kernels
 
 
-def _lowest_argmax(values: jax.Array, cols: jax.Array, width: int) -> jax.Array:
-    """[BT, W] -> [BT] int32: the lowest column attaining the row maximum (lax.top_k's tie rule)."""
-    best = jnp.max(values, axis=1, keepdims=True)
-    return jnp.min(jnp.where(values == best, cols[None, :], width), axis=1)
-
-
 def _rank_and_count(ids: jax.Array, valid: jax.Array, cols: jax.Array) -> tuple[jax.Array, jax.Array]:
     """For one choice: each token's rank among the block's earlier tokens with the same expert, and the
-    block's per-expert counts. [BT] ids -> ([BT] int32, [E_pad] int32)."""
+    block's per-expert counts. [BT] ids, [W] cols -> ([BT] int32, [W] int32)."""
     bt = ids.shape[0]
     pos = jnp.arange(bt, dtype=jnp.int32)
     earlier = (pos[:, None] < pos[None, :]) & valid[:, None]  # [t', t]: t' placed before t
@@ -221,64 +266,100 @@ def _rank_and_count(ids: jax.Array, valid: jax.Array, cols: jax.Array) -> tuple[
     return rank, jnp.sum(onehot.astype(jnp.int32), axis=0)
 
 
+def _expert_layout(num_experts: int, n_group: int) -> tuple[int, int, int]:
+    """The gating tile's columns: (padded groups GP, padded group width GS, tile width W = GP * GS).
+
+    Column c holds expert (c // GS) * (E / n_group) + c % GS when c % GS < E / n_group and c // GS < n_group
+    (padding otherwise): each group fills GS contiguous columns, so the tile reshapes to [BT, GP, GS] for the
+    group scores, and experts grow with the column, so "lowest column" is "lowest expert" (the tie rule). With
+    n_group == 1, or power-of-two groups, it is the plain layout: column c holds expert c < E."""
+    groups = next_pow2(n_group)
+    width = next_pow2(num_experts // n_group)
+    return groups, width, groups * width
+
+
+def _column_experts(cols: jax.Array, num_experts: int, n_group: int) -> tuple[jax.Array, jax.Array]:
+    """Expert held by each column of `cols` (any shape; see `_expert_layout`) and whether it holds one."""
+    gsize = num_experts // n_group
+    _, gs, _ = _expert_layout(num_experts, n_group)
+    if gs == gsize or n_group == 1:  # no padding inside the groups: column == expert
+        return cols, cols < num_experts
+    group, member = cols // gs, cols % gs
+    return group * gsize + member, (group < n_group) & (member < gsize)
+
+
+def _group_limit(sel: jax.Array, n_group: int, topk_group: int, gs: int, fill: float) -> jax.Array:
+    """Keeps the selection scores of each token's best `topk_group` groups (group score: the sum of its two best
+    selection scores; ties to the lower group) and puts `fill` elsewhere. Works on the [BT, GP, GS] view of the
+    tile, so no per-group copy of the tile is formed. Padding columns of `sel` must hold -inf."""
+    bt, w = sel.shape
+    groups = w // gs
+    neg = jnp.float32(-jnp.inf)
+    sel3 = sel.reshape(bt, groups, gs)
+    member = jnp.arange(gs, dtype=jnp.int32)[None, None, :]
+    top1 = jnp.max(sel3, axis=2)
+    first = jnp.min(jnp.where(sel3 == top1[:, :, None], member, gs), axis=2)  # lowest member attaining it
+    top2 = jnp.max(jnp.where(member == first[:, :, None], neg, sel3), axis=2)
+    group_scores = top1 + top2  # [BT, GP]
+    gidx = jnp.arange(groups, dtype=jnp.int32)[None, :]
+    real = gidx < n_group
+    chosen = jnp.zeros((bt, groups), jnp.bool_)
+    for _ in range(topk_group):
+        avail = jnp.where(chosen, neg, group_scores)
+        best = jnp.max(jnp.where(real, avail, neg), axis=1, keepdims=True)
+        pick = jnp.min(jnp.where((avail == best) & real, gidx, groups), axis=1, keepdims=True)
+        chosen = chosen | (gidx == pick)
+    keep = jnp.broadcast_to(chosen[:, :, None], (bt, groups, gs)).reshape(bt, w)
+    return jnp.where(keep, sel, jnp.float32(fill))
+
+
 def _gating_kernel(logits_ref, bias_ref, ids_ref, w_ref, rank_ref, counts_ref, scores_ref, *,
-                   num_tokens, num_experts, ep, bt, k, score_fn, use_bias, n_group, topk_group, fill,
+                   num_tokens, num_experts, bt, k, score_fn, use_bias, n_group, topk_group, fill,
                    normalize, scale):
     b = pl.program_id(0)
     rows = b * bt + jnp.arange(bt, dtype=jnp.int32)
     valid = rows < num_tokens
-    cols = jnp.arange(ep, dtype=jnp.int32)
-    cmask = cols < num_experts
-    tile_mask = valid[:, None] & cmask[None, :]
+    _, gs, width = _expert_layout(num_experts, n_group)
+    cols = jnp.arange(width, dtype=jnp.int32)  # the tile's columns; selection works on columns
+    experts, cmask = _column_experts(cols, num_experts, n_group)  # memory accesses use experts
+    last_col = (n_group - 1) * gs + num_experts // n_group - 1  # the column of expert E - 1
     neg = jnp.float32(-jnp.inf)
 
-    x = plt.load(logits_ref.at[row(rows), col(cols)], mask=tile_mask, other=0).astype(jnp.float32)
+    x = plt.load(logits_ref.at[row(rows), col(experts)], mask=valid[:, None] & cmask[None, :],
+                 other=0).astype(jnp.float32)
     if score_fn == "softmax":
         x = jnp.where(cmask[None, :], x, neg)  # padded experts get probability exactly 0
         e = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         scores = e / jnp.sum(e, axis=1, keepdims=True)
     else:
         scores = jax.nn.sigmoid(x)
+    # every output is stored as soon as it is known: no store mask or result stays live across the selection
+    plt.store(scores_ref.at[row(rows), col(experts)], scores, mask=valid[:, None] & cmask[None, :])
     sel = scores
     if use_bias:
-        sel = sel + plt.load(bias_ref.at[cols], mask=cmask, other=0).astype(jnp.float32)[None, :]
+        sel = sel + plt.load(bias_ref.at[experts], mask=cmask, other=0).astype(jnp.float32)[None, :]
     sel = jnp.where(cmask[None, :], sel, neg)
-
     if n_group > 1:
-        # group score = sum of the group's two best selection scores; keep the best topk_group groups
-        gsize = num_experts // n_group
-        group_of = cols // gsize
-        group_scores = []
-        for g in range(n_group):
-            sel_g = jnp.where((group_of == g)[None, :], sel, neg)
-            first = _lowest_argmax(sel_g, cols, ep)
-            top1 = jnp.max(sel_g, axis=1)
-            top2 = jnp.max(jnp.where(cols[None, :] == first[:, None], neg, sel_g), axis=1)
-            group_scores.append(top1 + top2)
-        chosen = [jnp.zeros((bt,), jnp.bool_) for _ in range(n_group)]
-        for _ in range(topk_group):
-            avail = [jnp.where(chosen[g], neg, group_scores[g]) for g in range(n_group)]
-            best = avail[0]
-            for g in range(1, n_group):
-                best = jnp.maximum(best, avail[g])
-            taken = jnp.zeros((bt,), jnp.bool_)
-            for g in range(n_group):  # lowest group index wins a tie
-                hit = (avail[g] == best) & ~taken
-                chosen[g] = chosen[g] | hit
-                taken = taken | hit
-        keep = jnp.zeros((bt, ep), jnp.bool_)
-        for g in range(n_group):
-            keep = keep | (chosen[g][:, None] & (group_of == g)[None, :])
-        sel = jnp.where(keep, sel, jnp.float32(fill))
-        sel = jnp.where(cmask[None, :], sel, neg)
+        sel = jnp.where(cmask[None, :], _group_limit(sel, n_group, topk_group, gs, fill), neg)
 
-    ids, weights = [], []
-    for _ in range(k):  # k rounds of "take the best, knock it out"
-        idx = jnp.minimum(_lowest_argmax(sel, cols, ep), num_experts - 1)  # clamp: a NaN row stays in range
+    # Each round stores its choice, ranks and counts, and takes its weight without a mask where it can: a mask
+    # or result kept for after the loop stays live through the remaining rounds (AMD's scheduler sinks such a
+    # select to its use and holds the k hit masks in SGPR pairs, which spill).
+    weights = []
+    for j in range(k):  # k rounds of "take the best, knock it out"
+        best = jnp.max(sel, axis=1, keepdims=True)
+        idx = jnp.min(jnp.where(sel == best, cols[None, :], width), axis=1)  # lowest column: lax.top_k's tie rule
+        idx = jnp.minimum(idx, last_col)  # clamp: a NaN row stays in range
         hit = cols[None, :] == idx[:, None]
-        weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
+        if use_bias or n_group > 1:  # the weight is the unbiased score of the choice
+            weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
+        else:  # selection scores are the scores: the best is the choice's score, exactly
+            weights.append(best[:, 0])
         sel = jnp.where(hit, neg, sel)
-        ids.append(idx)
+        plt.store(ids_ref.at[j, rows], _column_experts(idx, num_experts, n_group)[0], mask=valid)
+        rank, count = _rank_and_count(idx, valid, cols)  # by column: the same thing as by expert
+        plt.store(rank_ref.at[j, rows], rank, mask=valid)
+        plt.store(counts_ref.at[j, b, experts], count, mask=cmask)
 
     total = weights[0]
     for w in weights[1:]:
@@ -291,14 +372,8 @@ def _gating_kernel(logits_ref, bias_ref, ids_ref, w_ref, rank_ref, counts_ref, s
         weights = [w / denom for w in weights]
     if scale != 1.0:
         weights = [w * jnp.float32(scale) for w in weights]
-
-    plt.store(scores_ref.at[row(rows), col(cols)], scores, mask=tile_mask)
     for j in range(k):
-        plt.store(ids_ref.at[j, rows], ids[j], mask=valid)
         plt.store(w_ref.at[j, rows], weights[j], mask=valid)
-        rank, count = _rank_and_count(ids[j], valid, cols)
-        plt.store(rank_ref.at[j, rows], rank, mask=valid)
-        plt.store(counts_ref.at[j, b, cols], count, mask=cmask)
 
 
 def _rank_kernel(ids_ref, rank_ref, counts_ref, *, num_tokens, num_experts, ep, bt, k):
@@ -307,11 +382,15 @@ def _rank_kernel(ids_ref, rank_ref, counts_ref, *, num_tokens, num_experts, ep, 
     valid = rows < num_tokens
     cols = jnp.arange(ep, dtype=jnp.int32)
     cmask = cols < num_experts
-    for j in range(k):
+
+    def choice(j, carry):  # a loop, not k unrolled copies: one choice's [BT, BT] and [BT, W] work live at a time
         ids = plt.load(ids_ref.at[j, rows], mask=valid, other=0)
         rank, count = _rank_and_count(ids, valid, cols)
         plt.store(rank_ref.at[j, rows], rank, mask=valid)
         plt.store(counts_ref.at[j, b, cols], count, mask=cmask)
+        return carry
+
+    lax.fori_loop(0, k, choice, 0)
 
 
 def _locate_kernel(ids_ref, rank_ref, offsets_ref, loc_ref, *, num_tokens, num_experts, bt, k, nb):
@@ -355,10 +434,11 @@ def _slot_positions_kernel(expert_ids, num_experts, cfg, interpret):
     return _locations_from_blocks(expert_ids, ranks, block_counts, num_experts, cfg, interpret)
 
 
-def _check_kernel_experts(num_experts: int, limit: int):
+def _check_kernel_experts(num_experts: int, limit: int, n_group: int = 1):
     def check():
-        if next_pow2(num_experts) > limit:
-            raise NotSupported(f"{num_experts} experts exceed the kernel's register tile ({limit})")
+        if _expert_layout(num_experts, n_group)[2] > limit:
+            groups = f" in {n_group} groups" if n_group > 1 else ""
+            raise NotSupported(f"{num_experts} experts{groups} exceed the kernel's register tile ({limit} columns)")
     return check
 
 
@@ -433,7 +513,7 @@ def gating(
       GatingResult; no token is dropped here (compare locations with the capacity).
     """
     num_experts, k, n_group, topk_group = _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group)
-    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS))
+    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS, n_group))
     options = dict(score_fn=score_fn, correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                    group_fill_value=group_fill_value, normalize=normalize,
                    routed_scaling_factor=routed_scaling_factor, batch_prioritized_routing=batch_prioritized_routing)
@@ -441,12 +521,13 @@ def gating(
         return gating_reference(logits, k, **options)
     interpret = impl == "interpret"
     num_tokens = logits.shape[0]
-    cfg = config or default_gating_config(num_tokens, num_experts)
-    ep, bt = next_pow2(num_experts), cfg.block_tokens
+    width = _expert_layout(num_experts, n_group)[2]  # the tile's columns
+    cfg = config or default_gating_config(num_tokens, width, grouped=n_group > 1)
+    bt = cfg.block_tokens
     nb = cdiv(num_tokens, bt)
     bias = jnp.zeros((num_experts,), jnp.float32) if correction_bias is None else correction_bias
     kernel = lambda *refs: _gating_kernel(
-        *refs, num_tokens=num_tokens, num_experts=num_experts, ep=ep, bt=bt, k=k, score_fn=score_fn,
+        *refs, num_tokens=num_tokens, num_experts=num_experts, bt=bt, k=k, score_fn=score_fn,
         use_bias=correction_bias is not None, n_group=n_group, topk_group=topk_group,
         fill=float(group_fill_value), normalize=bool(normalize), scale=float(routed_scaling_factor))
     ids, weights, ranks, block_counts, scores = triton_call(

@@ -103,3 +103,39 @@ class TestDispatch(KernelTestBase):
         theirs = jax.grad(loss(lambda d, w: tutel_dispatch.decode(d, w, slots)), (0, 1))(data, routing.weights)
         for a, b in zip(ours, theirs):
             assert_close(a, b)
+
+    def test_weight_gradients_with_the_row_dots_tiling(self):
+        # k = 8 with the default config: the row-dots kernel shrinks its block (f32: 16 x 64 on the default
+        # target), so its column loop runs 4 steps, the last one partial
+        x = random_normal(14, (40, 200))
+        slots, routing = _buffer_slots(random_normal(15, (40, 16)), 8, 24)
+        cotangent = random_normal(16, (384, 200))
+        loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * cotangent)
+        ours = jax.jit(jax.grad(loss(lambda x, w: pk.encode(x, w, slots, 384, implementation=self.impl)),
+                                (0, 1)))(x, routing.weights)
+        theirs = jax.grad(loss(lambda x, w: tutel_dispatch.encode(x, w, slots, 384)), (0, 1))(x, routing.weights)
+        for a, b in zip(ours, theirs):
+            assert_close(a, b)
+
+
+@pytest.mark.parametrize("target", sorted(pk.TARGETS))
+def test_row_dots_config_within_the_target_budget(target):
+    from pallas_kernels.dispatch import DISPATCH_TILINGS, row_dots_config
+    from pallas_kernels.targets import get_target
+
+    tiling, warp = DISPATCH_TILINGS[target], get_target(target).warp_size
+    for dtype in (jnp.float32, jnp.bfloat16):
+        itemsize = jnp.dtype(dtype).itemsize
+        for cfg in (pk.default_dispatch_config(7168, dtype), pk.default_dispatch_config(24, dtype), SMALL):
+            for k in (1, 2, 4, 8, 16, 64):
+                out = row_dots_config(cfg, k, itemsize, target)
+                assert out.block_rows == min(cfg.block_rows, tiling.row_dots_rows)
+                assert out.block_cols <= cfg.block_cols and out.num_warps == cfg.num_warps
+                assert out.block_cols == cfg.block_cols or out.block_cols >= 16
+                if out.block_cols > 16:  # halved only as far as needed
+                    budget = tiling.row_dots_thread_bytes * warp * cfg.num_warps
+                    assert (k + 1) * out.block_rows * out.block_cols * itemsize <= budget
+    # the prefill shapes of the offline report: k = 8 over bf16 rows, 16 x 128 on CUDA
+    if target.startswith("sm_"):
+        out = row_dots_config(pk.default_dispatch_config(7168, jnp.bfloat16), 8, 2, target)
+        assert (out.block_rows, out.block_cols) == (16, 128)

@@ -124,6 +124,25 @@ class TestGating(KernelTestBase):
         static.pop("config")
         _assert_same_routing(out, pk.gating_reference(logits, correction_bias=bias, **static))
 
+    @pytest.mark.parametrize("experts, n_group, topk_group, k, fill, block", [
+        (64, 8, 3, 8, -np.inf, 16),  # power-of-two groups (DeepSeek-V3's layout), the -inf fill
+        (30, 3, 2, 5, 0.0, 8),       # 3 groups of 10: groups padded to 4 x 16 columns, 8-token blocks
+    ])
+    def test_group_layouts(self, experts, n_group, topk_group, k, fill, block):
+        logits = random_normal(9 + experts, (45, experts), scale=1.5)
+        bias = random_normal(10 + experts, (experts,), scale=0.5)
+        static = dict(top_k=k, score_fn="sigmoid", n_group=n_group, topk_group=topk_group, group_fill_value=fill)
+        out = self.call(pk.gating, logits, correction_bias=bias,
+                        static=dict(static, config=pk.GatingConfig(block_tokens=block, num_warps=4)))
+        _assert_same_routing(out, pk.gating_reference(logits, correction_bias=bias, **static))
+
+    def test_softmax_groups_without_bias(self):
+        # softmax scores with a group limit and no bias: weights come from the scores, not the selection
+        logits = random_normal(11, (33, 16), scale=2.0)
+        static = dict(top_k=3, n_group=4, topk_group=2)
+        out = self.call(pk.gating, logits, static=dict(static, config=SMALL))
+        _assert_same_routing(out, pk.gating_reference(logits, **static))
+
     def test_batch_prioritized(self):
         logits = random_normal(8, (40, 6), scale=2.0)
         out = self.call(pk.gating, logits, static=dict(top_k=2, batch_prioritized_routing=True, config=SMALL))
@@ -138,3 +157,37 @@ class TestGating(KernelTestBase):
         ref = tutel_slot_positions(ids, 9)
         np.testing.assert_array_equal(locations, ref[0])
         np.testing.assert_array_equal(counts, ref[1])
+
+
+# ------------------------------------------------------------------------------------- tiling (no kernel run)
+
+
+@pytest.mark.parametrize("target", sorted(pk.TARGETS))
+def test_default_config_within_the_target_budget(target):
+    from pallas_kernels.gating import GATING_TILINGS, default_gating_config
+    from pallas_kernels.targets import get_target
+
+    tiling, warp = GATING_TILINGS[target], get_target(target).warp_size
+    for tokens in (1, 8, 100, 2048):
+        for experts in (2, 8, 24, 32, 128, 256, 1024):
+            for grouped in (False, True):
+                cfg = default_gating_config(tokens, experts, grouped=grouped, target=target)
+                width = 1 << max(experts - 1, 0).bit_length()
+                per_thread = tiling.grouped_thread_elements if grouped else tiling.thread_elements
+                assert 8 <= cfg.block_tokens <= min(tiling.max_block_tokens, max(8, 1 << (tokens - 1).bit_length()))
+                assert 4 <= cfg.num_warps <= tiling.max_warps
+                # within the budget, unless already at the smallest block and the most warps
+                if cfg.block_tokens > 8 or cfg.num_warps < tiling.max_warps:
+                    assert cfg.block_tokens * width <= per_thread * warp * cfg.num_warps
+
+
+def test_group_layout_limits_the_kernel(monkeypatch):
+    """720 experts in 5 groups pad to 8 x 256 columns: past the register tile, so "auto" uses XLA."""
+    from pallas_kernels import _select
+
+    monkeypatch.setattr(_select, "gpu_backend", lambda: True)
+    logits = random_normal(0, (4, 720))
+    fn = lambda l, **kw: pk.gating(l, 2, score_fn="sigmoid", n_group=5, topk_group=2, **kw).expert_ids
+    assert "pallas_call" not in str(jax.make_jaxpr(fn)(logits))
+    with pytest.raises(pk.NotSupported):
+        jax.make_jaxpr(lambda l: fn(l, implementation="pallas"))(logits)

@@ -12,7 +12,8 @@ import pytest
 import pallas_kernels as pk
 
 # the modules (the package exports functions of the same names)
-gating, gmm, quant_matmul = (importlib.import_module(f"pallas_kernels.{m}") for m in ("gating", "gmm", "quant_matmul"))
+gating, gmm, quant_matmul, dispatch = (importlib.import_module(f"pallas_kernels.{m}")
+                                       for m in ("gating", "gmm", "quant_matmul", "dispatch"))
 
 
 def _device(platform, capability="", kind=""):
@@ -52,7 +53,8 @@ def test_unknown_target_is_a_clear_error():
 
 
 def test_every_table_covers_every_target():
-    for table in (gmm.GMM_TILINGS, gmm.TGMM_TILINGS, quant_matmul.QUANT_TILINGS, gating.GATING_TILINGS):
+    for table in (gmm.GMM_TILINGS, gmm.TGMM_TILINGS, quant_matmul.QUANT_TILINGS, gating.GATING_TILINGS,
+                  dispatch.DISPATCH_TILINGS):
         assert set(table) == set(pk.TARGETS)
     assert not pk.TARGETS["sm_80"].fp8_convert and pk.TARGETS["sm_90"].fp8_convert
 
