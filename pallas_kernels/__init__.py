@@ -1,7 +1,7 @@
 """Pallas GPU kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
 
-Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend: A100, H100/H200, MI300) and has
-the signature `op(..., implementation="auto", config=None)`:
+Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend; tiled per GPU target, see targets.py
+and the offline compile in offline/) and has the signature `op(..., implementation="auto", config=None)`:
 
 | op | module | reference |
 |---|---|---|

@@ -22,9 +22,9 @@ Tiling (`QUANT_TILINGS`, per target; checked by the offline compile for shared m
 decode (at most 64 rows per expert, memory bound): block_m = next_pow2(rows) (>= 16, the MMA minimum),
 block_n = 64, block_k = 64 (a [64, 128] tile spills on every target), and split-K so that N tiles x splits >= 2
 programs per SM (`Target.num_sms`): each program streams a [64, 64] byte tile per step (4 KiB FP8, 2 KiB FP4)
-with 4 pipeline stages in flight (2 on MI300). The float32 partials [splits, M, N] are tiny at decode sizes and summed by XLA
-(deterministic, no atomics). Prefill (larger groups) uses 128-row tiles. FP8 on a target without e4m3
-conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`quant.e4m3_to_f32`).
+with 4 pipeline stages in flight (2 on MI300). The float32 partials [splits, M, N] are tiny at decode sizes and
+summed by XLA (deterministic, no atomics). Prefill (larger groups) uses 128-row tiles. FP8 on a target without
+e4m3 conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`quant.e4m3_to_f32`).
 """
 
 from __future__ import annotations
