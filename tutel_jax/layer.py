@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -21,9 +22,12 @@ from . import native
 from .config import MoEConfig
 from .losses import gshard_loss, load_importance_loss
 from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
-from .routing.router_plan import is_router_gate, route_with_router
+from .routing.gates import Gate
+from .routing.router_plan import is_router_gate, route_with_router, zero_losses
+from .validation import check_capacity_factor, check_input
 
-__all__ = ["MoEAux", "init_params", "moe_apply", "run_routed_experts", "route", "apply_shared_experts"]
+__all__ = ["MoEAux", "init_params", "moe_apply", "run_routed_experts", "route", "apply_shared_experts",
+           "routing_args", "empty_result"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +115,7 @@ def route(
     and for the router gates it reproduces exactly (see `kernel_gating` on the gates). `seq_len` (tokens
     per sequence) is used by the sequence-wise loss. With `return_losses` the result is (plan, l_aux, losses).
     """
-    gate = config.gate(gate_index)
-    k = gate.k if top_k is None else top_k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
-    cf = gate.capacity_factor if capacity_factor is None else capacity_factor
-    try:
-        cf = float(cf)
-    except (TypeError, ValueError):
-        raise ValueError(f"capacity_factor must be a number, got {cf!r}") from None
+    gate, k, cf = routing_args(config, gate_index, top_k, capacity_factor)
     num_experts = config.num_global_experts
     if is_router_gate(gate):
         plan, l_aux, losses = route_with_router(
@@ -157,6 +153,42 @@ def route(
         top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
         l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise, valid)
     return (plan, l_aux, {}) if return_losses else (plan, l_aux)
+
+
+def routing_args(config: MoEConfig, gate_index: int = 0, top_k: int | None = None,
+                 capacity_factor: float | None = None) -> tuple[Gate, int, float]:
+    """(gate, k, cf) of one call: the per-call overrides, or the gate's defaults, checked.
+
+    Raises ValueError for a bad gate_index, a k that is not an integer >= 1, a capacity factor that is not a
+    finite number (`validation.check_capacity_factor`), and cf <= 0 for expert-choice routing (its capacity is
+    fixed). Every call checks them, whatever the batch, even one without tokens (`moe_apply` skips routing).
+    """
+    gate = config.gate(gate_index)
+    k = gate.k if top_k is None else top_k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+    cf = check_capacity_factor(gate.capacity_factor if capacity_factor is None else capacity_factor)
+    if callable(getattr(gate, "plan", None)) and not cf > 0:
+        raise ValueError(f"expert-choice routing has a fixed capacity: capacity_factor must be > 0, got {cf}")
+    return gate, k, cf
+
+
+def empty_result(x: jax.Array, config: MoEConfig, gate: Gate) -> tuple[jax.Array, MoEAux]:
+    """The layer's result for an input x [..., M] holding no token (a zero-size leading axis).
+
+    y: zeros [..., M_out] in x's dtype (then `config.result_func`); aux: l_aux and every loss `gate` reports 0,
+    no assignment (dispatch_count 0), capacity 0 and nothing dropped. Nothing depends on the parameters, so
+    gradients are exactly zero. Routing an empty batch instead would divide by S = 0 in the losses and take
+    top-k over empty axes.
+    """
+    y = jnp.zeros(x.shape[:-1] + (config.output_dim,), x.dtype)
+    if config.result_func is not None:
+        y = config.result_func(y)
+    aux = MoEAux(l_aux=jnp.zeros((), jnp.float32),
+                 dispatch_count=jnp.zeros((config.num_global_experts,), jnp.int32),
+                 capacity=jnp.zeros((), jnp.int32), dropped_fraction=jnp.zeros((), jnp.float32),
+                 losses=zero_losses(gate))
+    return y, aux
 
 
 def _kernel_top_k_routing(scores, noisy, k, cf, config: MoEConfig, alignment, num_tokens_for_capacity,
@@ -303,13 +335,18 @@ def moe_apply(
     Returns:
       (y, aux): y has x's shape (last dim the expert output dim) and dtype; aux is a MoEAux.
       A NaN token gives a NaN output row and a NaN aux loss; other tokens are unaffected; it never raises.
+      An input without tokens (e.g. [0, M] or [B, 0, M]) gives an empty y and a zero aux (`empty_result`).
+
+    Raises:
+      TypeError for a non-floating x; ValueError for a wrong shape or bad per-call options (`routing_args`).
     """
-    if x.ndim < 1 or x.shape[-1] != config.model_dim:
-        raise ValueError(f"x must have shape [..., model_dim={config.model_dim}], got {tuple(x.shape)}")
+    check_input(x, config.model_dim)
+    gate, _, _ = routing_args(config, gate_index, top_k, capacity_factor)  # before indexing the parameters
+    if math.prod(x.shape[:-1]) == 0:
+        return empty_result(x, config, gate)
     orig_shape, orig_dtype = x.shape, x.dtype
     tokens = x.reshape(-1, config.model_dim).astype(config.dtype)
     degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
-    config.gate(gate_index)  # validates gate_index before indexing the parameters
     plan, l_aux, losses = route(
         params["gates"][gate_index], tokens, config,
         top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,

@@ -19,6 +19,8 @@ def gshard_loss(scores: jax.Array, expert_ids: jax.Array, valid: jax.Array | Non
       valid: optional [S] bool; padding tokens (False) are left out of both means.
     """
     num_tokens, num_experts = scores.shape
+    # S = 0 (no token): every sum below is 0, and so is the loss; S is a Python int here, so E / 0 would raise
+    num_tokens = max(num_tokens, 1)
     first = expert_ids[0] if expert_ids.ndim == 2 else expert_ids
     mask = jax.nn.one_hot(first, num_experts, dtype=scores.dtype)
     if valid is not None:
@@ -111,6 +113,8 @@ def sequence_aux_loss(probs: jax.Array, expert_ids: jax.Array, seq_len: int,
     if seq_len < 1 or num_tokens % seq_len:
         raise ValueError(f"seq_len must divide the token count {num_tokens}, got {seq_len}")
     num_seq = num_tokens // seq_len
+    if num_seq == 0:  # S = 0: no sequence to balance (the mean over zero sequences would be NaN)
+        return jnp.zeros((), jnp.float32)
     w = _token_weights(num_tokens, valid).reshape(num_seq, seq_len)
     count = jnp.maximum(jnp.sum(w, axis=1, keepdims=True), 1.0)  # [B, 1] real tokens per sequence
     onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32).sum(0)  # [S, E]

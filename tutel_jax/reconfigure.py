@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import MoEConfig, valid_adaptive_degrees
 from .parallel.expert_parallel import ExpertParallel, param_shardings
+from .validation import check_capacity_factor
 
 __all__ = ["RuntimeConfig", "Layout", "plan_layout", "is_moe_layer", "params_shardings", "opt_state_shardings",
            "batch_shardings", "reshard", "with_gate_defaults", "reconfigure_layer"]
@@ -102,10 +103,8 @@ class RuntimeConfig:
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         cf = self.capacity_factor
-        if cf is not None:
-            if isinstance(cf, bool) or not isinstance(cf, (int, float, np.number)) or not math.isfinite(float(cf)):
-                raise ValueError(f"capacity_factor must be a finite number or None, got {cf!r}")
-            cf = float(cf)
+        if cf is not None:  # None keeps the gate's default
+            cf = check_capacity_factor(cf)
         if self.adaptive_r is not None and (not _is_int(self.adaptive_r) or self.adaptive_r < 0):
             raise ValueError(f"adaptive_r must be an integer >= 0 or None, got {self.adaptive_r!r}")
         degree = self.a2a_ffn_overlap_degree

@@ -22,6 +22,7 @@ the right gradients.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -32,8 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .. import dispatch
 from .. import dropless
 from ..config import MoEConfig
-from ..layer import MoEAux, apply_shared_experts, route, run_experts_buffered, run_experts_dropless
+from ..layer import (MoEAux, apply_shared_experts, empty_result, route, routing_args, run_experts_buffered,
+                     run_experts_dropless)
 from ..routing.plan import align_capacity
+from ..validation import check_input
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
 
 __all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params", "shard_map"]
@@ -180,9 +183,7 @@ def _check_global_shapes(params, x, config: MoEConfig, placement: ExpertParallel
     if config.num_global_experts != expected:
         raise ValueError(f"config has {config.num_global_experts} global experts, which count_per_node={n} does not "
                          f"give on an expert axis of {W} devices; build the config with world_size={W}")
-    if x.ndim < 2 or x.shape[-1] != config.model_dim:
-        raise ValueError(f"x must be [B, ..., model_dim={config.model_dim}] with a leading token-batch axis, "
-                         f"got {tuple(x.shape)}")
+    check_input(x, config.model_dim, min_ndim=2)
     shards = placement.num_token_shards
     if x.shape[0] % shards:
         raise ValueError(f"x's leading dimension {x.shape[0]} must be divisible by the {shards} token shards "
@@ -242,7 +243,7 @@ def moe_apply_parallel(
       over devices, aux.capacity the capacity every device used, aux.dropped_fraction over all assignments.
     """
     _check_global_shapes(params, x, config, placement, valid)
-    config.gate(gate_index)
+    gate, _, _ = routing_args(config, gate_index, top_k, capacity_factor)
     degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
     if degree < 1:
         raise ValueError(f"a2a_ffn_overlap_degree must be >= 1, got {degree}")
@@ -268,6 +269,8 @@ def moe_apply_parallel(
             exchange = emulated_ragged_all_to_all
         elif dropless_exchange == "ragged" or ragged_supported():
             exchange = lax.ragged_all_to_all
+    if math.prod(x.shape[:-1]) == 0:  # no token on any device (B splits evenly): nothing to route or exchange
+        return empty_result(x, config, gate)
     hidden_axes = _hidden_axes(config, params["experts"]) if s > 1 else None
 
     def gather_all_experts(local_params):

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ..config import MoEConfig
 from ..layer import MoEAux, moe_apply, run_routed_experts
 from ..routing.plan import RoutingPlan
+from ..validation import check_input
 from ..vma import varying_like
 from .expert_parallel import shard_map
 
@@ -72,6 +73,7 @@ def moe_apply_expert_sliced(params: dict, x: jax.Array, config: MoEConfig, mesh:
     Returns:
       (y, aux) as `moe_apply`, replicated.
     """
+    check_input(x, config.model_dim)  # also checked by moe_apply, but here before tracing the mesh program
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     world = mesh.shape[expert_axis]

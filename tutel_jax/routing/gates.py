@@ -17,6 +17,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
+from ..validation import check_capacity_factor
+
 __all__ = ["Gate", "TopGate", "CosineTopGate", "GATE_TYPES", "register_gate", "make_gate", "torch_linear_init"]
 
 
@@ -128,7 +130,7 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
         spec = {"type": "top", "k": int(match.group(1))}
     if not isinstance(spec, Mapping):
         if isinstance(spec, Gate):
-            return spec
+            return _checked(spec, index)
         raise ValueError(f"gate_type[{index}] must be a dict with a 'type' key or an object with k, capacity_factor, "
                          f"gate_noise, init() and logits(); got {type(spec).__name__}")
     options = dict(spec)
@@ -145,4 +147,10 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
         k = options["k"]
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"gate_type[{index}]['k'] must be an integer >= 1, got {k!r}")
-    return factory(**options)
+    return _checked(factory(**options), index)
+
+
+def _checked(gate: Gate, index: int) -> Gate:
+    """`gate` once its default capacity_factor is a number: a bad one fails here, not at the first call."""
+    check_capacity_factor(gate.capacity_factor, f"gate_type[{index}]['capacity_factor']")
+    return gate

@@ -57,7 +57,7 @@ class RoutingPlan:
     @property
     def dropped_fraction(self) -> jax.Array:
         """[] float32, fraction of the k*S assignments dropped for lack of capacity."""
-        return jnp.sum(~self.kept).astype(jnp.float32) / self.kept.size
+        return jnp.sum(~self.kept).astype(jnp.float32) / max(self.kept.size, 1)  # no assignment: 0, not 0 / 0
 
     def with_buffer_capacity(self, buffer_capacity: int) -> "RoutingPlan":
         """The same plan laid out in a buffer of `buffer_capacity` slots per expert (assignments beyond it drop)."""

@@ -24,12 +24,21 @@ from ..losses import gshard_loss, router_z_loss, sequence_aux_loss, switch_load_
 from .plan import RoutingPlan, plan_from_choices
 from .routers import RouterChoices
 
-__all__ = ["is_router_gate", "route_with_router"]
+__all__ = ["is_router_gate", "route_with_router", "zero_losses"]
 
 
 def is_router_gate(gate: Any) -> bool:
     """True for gates that select experts themselves (`select`) or build their plan (`plan`)."""
     return callable(getattr(gate, "select", None)) or callable(getattr(gate, "plan", None))
+
+
+def zero_losses(gate: Any) -> dict[str, jax.Array]:
+    """The `losses` dict `route_with_router` returns for `gate`, every entry 0 (a batch without tokens):
+    {} for Tutel's gates, {'z_loss'} for expert choice, and the four losses of the top-k routers."""
+    if not is_router_gate(gate):
+        return {}
+    names = ("z_loss",) if callable(getattr(gate, "plan", None)) else ("z_loss", "switch", "gshard", "seq_aux")
+    return {name: jnp.zeros((), jnp.float32) for name in names}
 
 
 def route_with_router(
@@ -86,9 +95,7 @@ def route_with_router(
                           ).astype(logits.dtype)
 
     losses = {"z_loss": router_z_loss(logits, valid)}
-    if callable(getattr(gate, "plan", None)):
-        if capacity_factor == 0:
-            raise ValueError("expert-choice routing has a fixed capacity: capacity_factor must be > 0")
+    if callable(getattr(gate, "plan", None)):  # capacity_factor > 0: checked by `expert_choice_capacity`
         plan, _ = gate.plan(gate_params, noisy, capacity_factor, alignment=alignment, valid=valid,
                             num_tokens_for_capacity=num_tokens_for_capacity
                             if isinstance(num_tokens_for_capacity, int) else None)
