@@ -91,6 +91,7 @@ def test_generate_argument_errors(tmp_path, capsys):
 def test_generate_bad_checkpoint_is_one_line_and_quantized_memory_is_reported(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--ids", "1,2"]) == 2  # no config.json
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot load") and "no config.json" in err and "Traceback" not in err
+    assert err.startswith("tutel-jax generate: error: cannot load") and "no config.json" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert main(["generate", str(HF / "qwen3_moe_nvfp4"), "--ids", "1,2", "--max-new-tokens", "2"]) == 0
     assert "(nvfp4) = 0.28" in capsys.readouterr().out

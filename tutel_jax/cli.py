@@ -1,27 +1,55 @@
 """The `tutel-jax` command: `tutel-jax serve CHECKPOINT ...` (OpenAI-compatible server) and
-`tutel-jax generate CHECKPOINT --ids 1,2,3 ...` (batch generation from token ids)."""
+`tutel-jax generate CHECKPOINT --ids 1,2,3 ...` (batch generation from token ids or text prompts).
+
+Every error is one line on stderr, `tutel-jax [COMMAND]: error: ...`, with exit code 2."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: tutel-jax {serve,generate} CHECKPOINT [options]   (tutel-jax <command> --help for options)"
+from .cli_args import SPELLING_NOTE
+
+COMMANDS = {
+    "serve": "OpenAI-compatible HTTP server for a checkpoint (continuous batching, streaming)",
+    "generate": "generate from token-id or text prompts, streamed or not, and report the throughput",
+}
+
+HELP = "\n".join([
+    "usage: tutel-jax {serve,generate} CHECKPOINT [options]",
+    "",
+    "Mixture-of-Experts models (Hugging Face MoE checkpoints) with tutel-jax.",
+    "",
+    "commands:",
+    *(f"  {name:<10}  {what}" for name, what in COMMANDS.items()),
+    "",
+    "tutel-jax COMMAND --help shows a command's options.",
+    SPELLING_NOTE,
+])
+
+
+def _error(message: str) -> int:
+    print(f"tutel-jax: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(HELP)
+        return 0
+    if not argv:
+        return _error(f"a command is required: {', '.join(COMMANDS)} (tutel-jax --help)")
     command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from .serving.server import main as serve
-        return serve(rest) or 0
-    if command == "generate":
-        from .serving.generate_cli import main as generate
-        return generate(rest) or 0
-    print(f"tutel-jax: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    try:
+        if command == "serve":
+            from .serving.server import main as serve
+            return serve(rest) or 0
+        if command == "generate":
+            from .serving.generate_cli import main as generate
+            return generate(rest) or 0
+    except KeyboardInterrupt:
+        return 130
+    return _error(f"unknown command {command!r}: choose from {', '.join(COMMANDS)} (tutel-jax --help)")
 
 
 if __name__ == "__main__":

@@ -2,5 +2,7 @@
 stopping and a per-token stream callback), the `generate` command and the OpenAI-compatible server."""
 
 from .generate import GenerationResult, generate, left_align, sample_next
+from .sampling import NonFiniteLogitsError, SamplingParamError, SamplingParams, check_sampling
 
-__all__ = ["GenerationResult", "generate", "left_align", "sample_next"]
+__all__ = ["GenerationResult", "NonFiniteLogitsError", "SamplingParamError", "SamplingParams", "check_sampling",
+           "generate", "left_align", "sample_next"]

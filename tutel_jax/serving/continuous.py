@@ -22,6 +22,11 @@ Each `step`:
      engine does not pay for all rows (on CPU, or MoE layers whose idle rows would still touch experts).
 Tokens are delivered as they are produced (`Request.on_token`); a request finishes at a stop token (kept, as
 in `generate`), at max_new_tokens, or when on_token returns True, and its row is free for the next admission.
+A request whose logits are not finite (NaN / inf; checked per row at every step with one reduction, read back
+with the tokens) finishes at once with finish_reason 'error' and `error` = `NonFiniteLogitsError`, without
+that step's token; its cache row is zeroed (masked NaN values would still poison the next occupant's attention)
+and the other rows run on. `add` checks a request's sampling parameters with `sampling.check_sampling` (the
+rules of `generate` and the server), and that prompt + max_new_tokens fits the model's context.
 
 Shapes are static: the decode step compiles once per engine shape (row_buckets: once per power of two up to
 max_batch_size), the prefill once per (group size, bucket).
@@ -43,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import AttnContext
-from .generate import sample_rows
+from .generate import finite_rows, sample_rows
+from .sampling import NonFiniteLogitsError, check_sampling, model_context
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
 
@@ -57,7 +63,8 @@ class Request:
     greedy), top_k (None / <= 0: off), top_p (None / >= 1: off), seed and sample_id (an extra key stream, e.g.
     the choice index of an n > 1 request); stop_token_ids finish the request (the stop token is kept);
     on_token(token) is called for every new token and may return True to finish the request there.
-    Filled in by the engine: tokens, finished, finish_reason ('stop', 'length' or 'callback'), row."""
+    Filled in by the engine: tokens, finished, finish_reason ('stop', 'length', 'callback' or 'error'), row,
+    error (a NonFiniteLogitsError when finish_reason is 'error')."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -72,6 +79,7 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     row: int | None = None
+    error: Exception | None = None
 
 
 def prompt_bucket(length: int, max_len: int, minimum: int = 16) -> int:
@@ -98,7 +106,7 @@ def _sample(logits: jax.Array, sampling: tuple) -> jax.Array:
 def _prefill(apply, params, ids, lengths, rows, cache, sampling):
     """Prefills ids [G, Tb] (each row's prompt right-padded; lengths [G]) on a fresh [G, Tb] cache, writes its
     slots 0 .. Tb-1 into the big cache's rows `rows` [G] (an out-of-range row: dropped, for padding groups) and
-    samples each row's first token: (tokens [G], cache)."""
+    samples each row's first token: (tokens [G], finite [G], cache)."""
     TRACES["prefill"] += 1
     G, Tb = ids.shape
     small = jax.tree.map(lambda c: jnp.zeros((G, c.shape[1], Tb) + c.shape[3:], c.dtype), cache)  # [G, H, Tb, D]
@@ -108,13 +116,13 @@ def _prefill(apply, params, ids, lengths, rows, cache, sampling):
     logits, small = apply(params, ids, ctx, small)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [G, V]
     cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
-    return _sample(last, sampling), cache
+    return _sample(last, sampling), finite_rows(last), cache
 
 
 @functools.partial(jax.jit, static_argnames=("apply",), donate_argnames=("cache",))
 def _decode(apply, params, tok, index, cache, sampling):
     """One decode step over the cache's first R rows (R = len(tok) <= B): feeds tok [R] at each row's own slot
-    index [R] (= its RoPE position) and samples the next tokens: (tokens [R], cache [B, ...])."""
+    index [R] (= its RoPE position) and samples the next tokens: (tokens [R], finite [R], cache [B, ...])."""
     TRACES["decode"] += 1
     R, (B, _, L) = tok.shape[0], jax.tree.leaves(cache)[0].shape[:3]  # cache leaves [B, H, L, D]
     ctx = AttnContext(index[:, None], index, jnp.ones((R, L), bool))
@@ -123,7 +131,14 @@ def _decode(apply, params, tok, index, cache, sampling):
     else:  # the rows past R are all free: leave them out of the step
         logits, sub = apply(params, tok[:, None], ctx, jax.tree.map(lambda c: c[:R], cache))
         cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, 0, axis=0), cache, sub)
-    return _sample(logits[:, -1], sampling), cache
+    last = logits[:, -1]
+    return _sample(last, sampling), finite_rows(last), cache
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _zero_row(cache, row):
+    """The cache with row `row` zeroed (after non-finite logits: masked slots still enter attention as 0 * v)."""
+    return jax.tree.map(lambda c: c.at[row].set(0), cache)
 
 
 class _Rows:
@@ -164,7 +179,8 @@ class ContinuousBatcher:
     """The slot engine (see the module docstring). Not thread-safe: one thread calls add / step.
 
     model: a CausalLM (`.params`, `.init_cache(B, L)`, pure hashable `.forward_fn`); max_batch_size rows;
-    max_len slots per row (a request needs len(prompt) + max_new_tokens - 1 <= max_len); min_bucket: the
+    max_len slots per row (a request needs len(prompt) + max_new_tokens - 1 <= max_len, and len(prompt) +
+    max_new_tokens <= the model's context when its config gives one); min_bucket: the
     smallest prefill bucket. row_buckets: decode only the leading power-of-two rows that cover every running
     row (one decode compile per power of two <= max_batch_size instead of one in all; worth it where a step's
     cost grows with its rows, e.g. on CPU, when fewer requests run than there are rows)."""
@@ -181,13 +197,17 @@ class ContinuousBatcher:
         self.waiting: collections.deque[Request] = collections.deque()
         self.decode_steps = 0
         self.prefills = 0
+        self.context = model_context(model)
 
     # -- queue
     def add(self, req: Request) -> Request:
-        """Queues a request (admitted at a next step); ValueError if it cannot fit a row."""
+        """Queues a request (admitted at a next step); ValueError (a SamplingParamError for its sampling
+        parameters) if they are out of range or it cannot fit a row or the model's context."""
         P = len(req.prompt)
-        if P < 1 or req.max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if P < 1:
+            raise ValueError("a request needs a non-empty prompt")
+        check_sampling(req.max_new_tokens, req.temperature, req.top_k, req.top_p, prompt_length=P,
+                       context=self.context)
         if P + req.max_new_tokens - 1 > self.L:
             raise ValueError(f"prompt ({P}) + max_new_tokens ({req.max_new_tokens}) exceeds the engine's "
                              f"max_len {self.L} + 1")
@@ -224,9 +244,13 @@ class ContinuousBatcher:
         return done
 
     def run(self) -> None:
-        """Steps until nothing is waiting or running."""
+        """Steps until nothing is waiting or running; then raises the first failed request's error (the others
+        are complete)."""
+        failed = []
         while not self.idle:
-            self.step()
+            failed += [r for r in self.step() if r.error is not None]
+        if failed:
+            raise failed[0].error
 
     def _admit(self) -> list[Request]:
         free = [r for r in range(self.B) if self.slots[r] is None]
@@ -256,11 +280,11 @@ class ContinuousBatcher:
         padded = list(reqs) + [None] * (G - len(reqs))
         # NumPy arguments go to the jitted function as they are (cheaper than one device_put each); the host
         # state they may alias is only changed after the step's tokens have been read back
-        toks, self.cache = _prefill(self.model.forward_fn, self.model.params, ids, lengths, rows, self.cache,
-                                    _sampling_of(padded))
+        toks, ok, self.cache = _prefill(self.model.forward_fn, self.model.params, ids, lengths, rows, self.cache,
+                                        _sampling_of(padded))
         self.prefills += 1
-        toks = np.asarray(toks)
-        return [req for g, req in enumerate(reqs) if self._deliver(req, int(toks[g]))]
+        toks, ok = np.asarray(toks), np.asarray(ok)
+        return [req for g, req in enumerate(reqs) if self._deliver(req, int(toks[g]), bool(ok[g]))]
 
     def _decode_rows(self) -> int:
         """How many leading rows the decode step runs: all B, or (row_buckets) the power of two (capped at B)
@@ -274,14 +298,23 @@ class ContinuousBatcher:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
         sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R])
-        toks, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R], self.cache,
-                                   sampling)
+        toks, ok, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
+                                       self.cache, sampling)
         self.decode_steps += 1
-        toks = np.asarray(toks)
-        return [req for req in list(self.slots) if req is not None and self._deliver(req, int(toks[req.row]))]
+        toks, ok = np.asarray(toks), np.asarray(ok)
+        return [req for req in list(self.slots)
+                if req is not None and self._deliver(req, int(toks[req.row]), bool(ok[req.row]))]
 
-    def _deliver(self, req: Request, token: int) -> bool:
-        """Gives the request its next token; frees its row (True) if it is finished."""
+    def _deliver(self, req: Request, token: int, finite: bool = True) -> bool:
+        """Gives the request its next token; frees its row (True) if it is finished. Non-finite logits (the
+        token is garbage) fail the request instead."""
+        if not finite:
+            req.error = NonFiniteLogitsError(len(req.tokens))
+            req.finish_reason, req.finished = "error", True
+            self.cache = _zero_row(self.cache, req.row)
+            self.slots[req.row] = None
+            self.state.clear(req.row)
+            return True
         req.tokens.append(token)
         stop = req.on_token is not None and req.on_token(token) is True
         if token in req.stop_token_ids:

@@ -7,6 +7,12 @@ every attention, so a row's result equals that prompt run alone. The cache lengt
 
 Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p.
 
+Sampling parameters are checked by `sampling.check_sampling` (the rules the server applies too): temperature
+finite and >= 0, top_p in (0, 1], top_k >= 0, max_new_tokens >= 1 and, when the model's config gives its
+context (max_position_embeddings), longest prompt + max_new_tokens within it. Every step also checks that
+its logits are finite (one reduction, read back with the tokens): NaN or inf raises `NonFiniteLogitsError`
+(a FloatingPointError) naming the step instead of emitting garbage tokens.
+
 A row finishes after it emits a stop token (`stop_token_ids` / `eos_token_id`) or reaches its own
 `max_new_tokens_per_row`; its later positions hold pad_token_id. The host loop ends as soon as every row has
 finished (or a `stream_callback` asks it to), so finished batches run no further decode steps; the result
@@ -25,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layers import AttnContext
+from .sampling import NonFiniteLogitsError, check_sampling, model_context
 
-__all__ = ["GenerationResult", "generate", "left_align", "sample_next", "sample_rows"]
+__all__ = ["GenerationResult", "NonFiniteLogitsError", "finite_rows", "generate", "left_align", "sample_next",
+           "sample_rows"]
 
 
 @dataclasses.dataclass
@@ -116,18 +124,25 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
 
 
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """[B] bool: whether each row of logits [B, V] is finite (one reduction; read back with the tokens)."""
+    return jnp.isfinite(logits).all(axis=-1)
+
+
 def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling):
+    """(tokens [B], finite [B], last logits [B, V], cache)."""
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
     logits, cache = apply(params, ids, ctx, cache)
     last = logits[:, -1]
-    return sample_next(last, key, *sampling), last, cache
+    return sample_next(last, key, *sampling), finite_rows(last), last, cache
 
 
 def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling):
+    """(tokens [B], finite [B], last logits [B, V], cache)."""
     positions = (index - pad)[:, None].astype(jnp.int32)
     logits, cache = apply(params, tok[:, None], AttnContext(positions, index, key_valid), cache)
     last = logits[:, -1]
-    return sample_next(last, key, *sampling), last, cache
+    return sample_next(last, key, *sampling), finite_rows(last), last, cache
 
 
 _prefill = jax.jit(_prefill_body, static_argnames=("apply", "sampling"), donate_argnames=("cache",))
@@ -136,19 +151,19 @@ _decode = jax.jit(_decode_body, static_argnames=("apply", "sampling"), donate_ar
 
 @functools.partial(jax.jit, static_argnames=("apply", "sampling"))
 def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, keys, sampling):
-    """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], logits [B, N, V])."""
+    """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], finite [B, N], logits [B, N, V])."""
     T = ids.shape[1]
-    tok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling)
+    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling)
 
     def step(carry, xs):
         tok, cache = carry
         i, key = xs
-        tok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling)
-        return (tok, cache), (tok, last)
+        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling)
+        return (tok, cache), (tok, ok, last)
 
     steps = jnp.arange(1, keys.shape[0], dtype=jnp.int32)
-    _, (toks, lasts) = jax.lax.scan(step, (tok, cache), (steps, keys[1:]))
-    return (jnp.concatenate([tok[:, None], toks.T], axis=1),
+    _, (toks, oks, lasts) = jax.lax.scan(step, (tok, cache), (steps, keys[1:]))
+    return (jnp.concatenate([tok[:, None], toks.T], axis=1), jnp.concatenate([ok[:, None], oks.T], axis=1),
             jnp.concatenate([last[:, None], jnp.swapaxes(lasts, 0, 1)], axis=1))
 
 
@@ -189,6 +204,15 @@ def _mask_finished(raw: np.ndarray, stops: np.ndarray, limits: np.ndarray, pad_t
     return np.where(after, pad_token_id, raw).astype(np.int32), (~after).sum(axis=1)
 
 
+def _check_finite(ok: np.ndarray, first_step: int = 0) -> None:
+    """Raises NonFiniteLogitsError at the first step (column of ok [B, n], the first one being `first_step`)
+    where a row's logits were not all finite."""
+    bad = ~np.asarray(ok, bool).reshape(ok.shape[0], -1)
+    if bad.any():
+        step = int(np.flatnonzero(bad.any(axis=0))[0])
+        raise NonFiniteLogitsError(first_step + step, np.flatnonzero(bad[:, step]).tolist())
+
+
 def _wants_stop(ret: Any) -> bool:
     """A callback's early-stop request: only an actual True (a callback returning e.g. a list does not stop)."""
     return isinstance(ret, (bool, np.bool_)) and bool(ret)
@@ -208,7 +232,10 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
       input_ids: [B, T] int prompts; attention_mask [B, T] (1 = token) for prompts of different lengths,
         left or right padded.
       eos_token_id: a stop token (an alias kept for `stop_token_ids=eos_token_id`; both may be given).
-      temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
+      temperature, top_k, top_p, seed: sampling (temperature 0: greedy; finite and >= 0), top_k (None or 0:
+        off; else >= 1), top_p (None or 1: off; in (0, 1]); checked by `sampling.check_sampling` with
+        max_new_tokens (>= 1; the longest prompt + max_new_tokens within the model's context, when its config
+        gives max_position_embeddings). Bad values raise `SamplingParamError` (a ValueError).
       cache_multiple: the static cache length is rounded up to a multiple of it (fewer recompiles).
       return_logits: also return every step's logits [B, max_new_tokens, V] (NaN for steps not run).
       on_device: run prefill and all decode steps as one compiled program (lax.scan; no per-token dispatch,
@@ -222,12 +249,16 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
 
     The host loop stops early once every row has finished; the same arguments give the same tokens whether or
     not it stops early, and with or without a callback (the sampling keys depend only on seed and step).
+    Logits that are not finite (NaN / inf) at some step raise `NonFiniteLogitsError` (a FloatingPointError
+    naming the step and rows): the host loop raises at that step, before the callback sees its tokens; the
+    other paths once their tokens are read back.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if on_device and stream_callback is not None:
         raise ValueError("stream_callback needs the host loop (one dispatch per step): use on_device=False")
     ids, _, lengths = left_align(input_ids, attention_mask, pad_token_id)
+    params = check_sampling(max_new_tokens, temperature, top_k, top_p, prompt_length=int(lengths.max()),
+                            context=model_context(model))
+    max_new_tokens = params.max_new_tokens
     B, T = ids.shape
     stops = _stop_ids(eos_token_id, stop_token_ids)
     limits = _row_limits(max_new_tokens_per_row, B, max_new_tokens)
@@ -236,13 +267,15 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     key_valid = jnp.arange(L)[None, :] >= pad[:, None]  # padding slots; unwritten slots are masked causally
     positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
     apply = model.forward_fn
-    sampling = (float(temperature), top_k, top_p)
+    sampling = (params.temperature, params.top_k, params.top_p)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     ids_j, cache = jnp.asarray(ids, jnp.int32), model.init_cache(B, L)
     if on_device:
-        tokens, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache, keys,
-                                             sampling)
+        tokens, ok, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache,
+                                                 keys, sampling)
         raw, logits = np.asarray(tokens, np.int32), (np.asarray(logits) if return_logits else None)
+        used = np.arange(max_new_tokens)[None, :] < _mask_finished(raw, stops, limits, pad_token_id)[1][:, None]
+        _check_finite(np.asarray(ok) | ~used)  # the steps after a row finished only pad the result
     else:
         def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
             return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad, key_valid, cache,
@@ -261,14 +294,17 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
 
 
 def _run_all(step, first, N: int, return_logits: bool):
-    """All N steps (prefill result `first` = (tokens, logits, cache), then N - 1 decode steps), dispatched
-    without waiting for the host: (raw tokens [B, N], logits [B, N, V] or None)."""
-    tok, last, cache = first
-    toks, lasts = [tok], [last]
+    """All N steps (prefill result `first` = (tokens, finite, logits, cache), then N - 1 decode steps),
+    dispatched without waiting for the host: (raw tokens [B, N], logits [B, N, V] or None). The finite flags
+    of all steps are read back once, with the tokens."""
+    tok, ok, last, cache = first
+    toks, oks, lasts = [tok], [ok], [last]
     for i in range(1, N):
-        tok, last, cache = step(tok, i, cache)
+        tok, ok, last, cache = step(tok, i, cache)
         toks.append(tok)
+        oks.append(ok)
         lasts.append(last)
+    _check_finite(np.asarray(jnp.stack(oks, axis=1)))
     logits = np.asarray(jnp.stack(lasts, axis=1)) if return_logits else None
     return np.asarray(jnp.stack(toks, axis=1), np.int32), logits
 
@@ -276,16 +312,18 @@ def _run_all(step, first, N: int, return_logits: bool):
 def _run_until_finished(step, first, N: int, stops: np.ndarray, limits: np.ndarray, pad_token_id: int,
                         callback: StreamCallback | None, return_logits: bool):
     """Steps until every row has finished or the callback asks to stop (each step's tokens are read back to
-    the host): (raw tokens [B, N] with pad_token_id in the columns not run, logits or None, steps run)."""
-    tok, last, cache = first
+    the host): (raw tokens [B, N] with pad_token_id in the columns not run, logits or None, steps run).
+    A step whose logits are not finite raises before its tokens are used."""
+    tok, ok, last, cache = first
     B = tok.shape[0]
     raw = np.full((B, N), pad_token_id, np.int32)
     finished = np.zeros(B, bool)
     lasts = []
     for i in range(N):
         if i > 0:
-            tok, last, cache = step(tok, i, cache)
+            tok, ok, last, cache = step(tok, i, cache)
         raw[:, i] = np.asarray(tok)
+        _check_finite((np.asarray(ok) | finished)[:, None], i)  # rows finished before: their logits are unused
         if return_logits:
             lasts.append(last)
         shown = np.where(finished, pad_token_id, raw[:, i]).astype(np.int32)

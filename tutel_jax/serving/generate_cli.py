@@ -9,6 +9,11 @@ Prompts of different lengths are batched with padding. Prints each prompt's new 
 throughput of a second, already compiled run (the first run's time includes compilation). --stream prints the
 first run's tokens as they are produced: a single prompt as running text (or ids), several prompts as one line
 per step.
+
+Sampling flags follow the rules of the library's `generate` and of the server (`tutel_jax.serving.sampling`):
+--temperature finite and >= 0, --top-p in (0, 1], --top-k >= 0 (0: off), --max-new-tokens >= 1 and, with the
+longest prompt, within the model's context. Every error is one line on stderr (`tutel-jax generate: error:
+...`) with exit code 2, as is a generation that meets non-finite (NaN / inf) logits.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import time
 from typing import Any, TextIO
 
 import numpy as np
+
+from ..cli_args import CommandParser, checked
+from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -31,20 +39,24 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> CommandParser:
     from ..dropless import IMPLS
-    ap = argparse.ArgumentParser(prog="tutel-jax generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandParser(prog="tutel-jax generate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--ids", type=_parse_ids, action="append",
                      help="comma-separated prompt token ids; repeat for a batch")
     src.add_argument("--prompt", action="append",
                      help="a text prompt (needs tokenizer.json in the checkpoint); repeat for a batch")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--max-new-tokens", type=checked(check_max_new_tokens, int), default=16,
+                    help="new tokens per prompt (>= 1; prompt + new tokens within the model's context)")
+    ap.add_argument("--temperature", type=checked(check_temperature), default=0.0,
+                    help="finite, >= 0; 0: greedy")
+    ap.add_argument("--top-k", type=checked(check_top_k, int), default=None,
+                    help="sample among the k most likely tokens (0: off)")
+    ap.add_argument("--top-p", type=checked(check_top_p), default=None,
+                    help="sample within the smallest set of tokens of probability >= p, in (0, 1] (1: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-token-ids", type=_parse_ids, default=None,
                     help="comma-separated token ids that end a prompt's completion")
@@ -124,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tokenizer, prompts = _text_prompts(args.checkpoint, args.prompt)
         except (FileNotFoundError, ImportError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return ap.fail(e)
 
     from tutel_jax.models import from_pretrained, memory_report
     from tutel_jax.native import NativeKernelError
@@ -135,27 +146,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = from_pretrained(args.checkpoint, progress=None, dropless_impl=args.dropless_impl)
     except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
-        print(f"error: cannot load {args.checkpoint}: {e}", file=sys.stderr)
-        return 2
+        return ap.fail(f"cannot load {args.checkpoint}: {e}")
     if model.spec.ffn.count("moe") and model.config.get("quantization_config"):
         print(f"{model.spec.model_type}: {memory_report(model)}")
     try:
         ids, mask = _batch(prompts, model.spec.vocab_size)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return ap.fail(e)
     stops = set(args.stop_token_ids or []) | (eos_token_ids(args.checkpoint, model.config) if args.eos else set())
     kw = {"attention_mask": mask, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
           "seed": args.seed, "on_device": args.on_device, "stop_token_ids": sorted(stops)}
     printer = StreamPrinter(len(prompts), stops, tokenizer) if args.stream else None
-    t0 = time.perf_counter()
-    out = generate(model, ids, args.max_new_tokens, stream_callback=printer, **kw)
-    first = time.perf_counter() - t0
-    if printer is not None:
-        printer.close()
-    t0 = time.perf_counter()
-    out = generate(model, ids, args.max_new_tokens, **kw)
-    steady = time.perf_counter() - t0
+    try:  # bad values for this model (e.g. beyond its context), non-finite logits: one line
+        t0 = time.perf_counter()
+        out = generate(model, ids, args.max_new_tokens, stream_callback=printer, **kw)
+        first = time.perf_counter() - t0
+        if printer is not None:
+            printer.close()
+        t0 = time.perf_counter()
+        out = generate(model, ids, args.max_new_tokens, **kw)
+        steady = time.perf_counter() - t0
+    except (ValueError, FloatingPointError, NativeKernelError) as e:
+        if printer is not None and len(prompts) == 1:
+            sys.stdout.write("\n")  # end the streamed line
+            sys.stdout.flush()
+        return ap.fail(e)
     for b, p in enumerate(prompts):
         new = out.tokens[b, :out.completion_lengths[b]].tolist()
         if tokenizer is None:

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server for a tutel-jax CausalLM (FastAPI + uvicorn), with dynamic batching.
 
-    python -m tutel_jax.serving.server CHECKPOINT --host 127.0.0.1 --port 8000
+    tutel-jax serve CHECKPOINT --host 127.0.0.1 --port 8000
+    python -m tutel_jax.serving.server CHECKPOINT --host 127.0.0.1 --port 8000     (the same)
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 Prompts are token-id lists (or lists of them); text prompts need a tokenizer.json next to the checkpoint and the
@@ -9,11 +10,11 @@ Choices always carry the generated ids as the extra field `token_ids` (`text` is
 
 Requests are queued for a background worker thread. Continuous batching (--batching continuous, the default;
 `continuous.ContinuousBatcher`): each request's rows (prompt x n) take free rows of one persistent KV cache
-(--max_batch_size rows x --max_len slots) at the next decode step, are prefilled, and then advance with every
+(--max-batch-size rows x --max-len slots) at the next decode step, are prefilled, and then advance with every
 decode step over all rows; a row leaves at a stop token, a stop string or its max_tokens and its cache row is
 reused, so a request arriving while others run starts at once and is answered when its own rows are done.
 Sampled rows draw from their own seed (a random one when the request has none), whatever else is running.
-Bucketed batching (--batching bucketed): the worker gathers up to --max_batch_size rows within --batch_wait_ms,
+Bucketed batching (--batching bucketed): the worker gathers up to --max-batch-size rows within --batch-wait-ms,
 groups compatible ones (greedy with greedy; sampled ones by temperature/top_p; a seeded sampled request runs
 alone so its result depends only on its seed), pads the batch (rows to a power of two, prompt columns to a
 multiple of 16: fewer recompiles) and runs one `generate` call, following every row token by token; a request
@@ -21,6 +22,11 @@ is answered as soon as all its rows are done, and requests arriving meanwhile wa
 `stream: true` sends each token as its own server-sent event as soon as it is produced (text deltas decode the
 whole sequence so far, so multi-byte characters split over tokens come out whole; text that may still turn into
 a stop string is held back until it is decided).
+
+Sampling parameters follow the rules of `generate` (`sampling.check_sampling`; a bad value is a 400 naming it),
+with the OpenAI caps on top: temperature in [0, 2] (default 1), max_tokens at most --max-tokens, and top_p 0
+accepted as greedy. A generation that meets NaN / inf logits fails with a 500 (code 'non_finite_logits'; the
+continuous engine fails only the request concerned) and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from .sampling import NonFiniteLogitsError, SamplingParamError, check_sampling, model_context
 from .tokenizer import IncrementalDecoder, encode, eos_token_ids, load_tokenizer
 
 try:  # the `serve` extra; only the app needs it (annotations below are resolved in this module's globals)
@@ -71,6 +78,15 @@ def _bad(message: str, param: str | None = None, code: str | None = "invalid_val
     return APIError(400, message, param, code)
 
 
+def _generation_error(e: Exception) -> APIError:
+    """The 500 a client gets for a failed generation (NaN / inf logits get their own code)."""
+    code = "non_finite_logits" if isinstance(e, NonFiniteLogitsError) else "internal_error"
+    return APIError(500, f"generation failed: {e}", code=code, type="server_error")
+
+
+MAX_TEMPERATURE = 2.0  # the OpenAI API's cap
+
+
 # ----------------------------------------------------------------------------------------------------- config
 
 @dataclasses.dataclass
@@ -94,10 +110,7 @@ class ServerConfig:
 
 
 def _context_length(config: dict) -> int:
-    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return 2048
+    return model_context(config) or 2048
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizer
@@ -221,6 +234,7 @@ class _Row:
         self.job, self.index, self.codec = job, index, codec
         self.ids: list[int] = []
         self.result: Completion | None = None
+        self.req = None  # the continuous engine's slot request of this row
         tok = codec.tokenizer if codec is not None else None
         # decoding each step costs time: only for text deltas and stop strings
         wants_text = tok is not None and (job.on_event is not None or job.stop_strs)
@@ -349,8 +363,7 @@ class Engine(_Worker):
                 log.exception("batch failed")
                 for job in batch:
                     if not job.future.done():
-                        job.future.set_exception(APIError(500, f"generation failed: {e}", code="internal_error",
-                                                          type="server_error"))
+                        job.future.set_exception(_generation_error(e))
             finally:
                 with self._cv:
                     self._inflight -= len(batch)
@@ -451,12 +464,15 @@ class ContinuousEngine(_Worker):
             for job in jobs:
                 self._admit(job)
             try:
-                b.step()
+                done = b.step()
             except Exception as e:  # report to the running clients, keep serving with a fresh cache
                 log.exception("decode step failed")
                 b.reset()
-                self._fail_running(APIError(500, f"generation failed: {e}", code="internal_error",
-                                            type="server_error"))
+                self._fail_running(_generation_error(e))
+            else:
+                for req in done:
+                    if req.error is not None:  # non-finite logits: that request fails, the others run on
+                        self._fail_request(req)
             self._resolve()
         self._fail_pending()
 
@@ -468,8 +484,9 @@ class ContinuousEngine(_Worker):
         for k, prompt in enumerate(p for p in job.prompts for _ in range(job.n)):
             row = _Row(job, k, self.codec)
             rows.append(row)
-            reqs.append(Request(prompt=list(prompt), max_new_tokens=job.max_tokens, temperature=job.temperature,
-                                top_p=job.top_p, seed=seed, sample_id=k, on_token=functools.partial(_on_token, row)))
+            row.req = Request(prompt=list(prompt), max_new_tokens=job.max_tokens, temperature=job.temperature,
+                              top_p=job.top_p, seed=seed, sample_id=k, on_token=functools.partial(_on_token, row))
+            reqs.append(row.req)
         self._jobs[id(job)] = (job, rows)
         try:
             for req in reqs:
@@ -477,7 +494,20 @@ class ContinuousEngine(_Worker):
         except ValueError as e:  # cannot happen after the server's checks; never leave the request hanging
             self.batcher.waiting = collections.deque(r for r in self.batcher.waiting if r not in reqs)
             del self._jobs[id(job)]
-            self._finish_job(job, exc=_bad(str(e), "max_tokens", "context_length_exceeded"))
+            self._finish_job(job, exc=_bad(str(e), "max_tokens", getattr(e, "code", "context_length_exceeded")))
+
+    def _fail_request(self, req):
+        """Fails the job of a slot request that finished with an error; the job's other rows finish (unused)
+        at their next token, its rows still waiting are dropped."""
+        for key, (job, rows) in list(self._jobs.items()):
+            if any(row.req is req for row in rows):
+                log.error("generation failed: %s", req.error)
+                del self._jobs[key]
+                job.cancelled = True
+                mine = {id(row.req) for row in rows}
+                self.batcher.waiting = collections.deque(r for r in self.batcher.waiting if id(r) not in mine)
+                self._finish_job(job, exc=_generation_error(req.error))
+                return
 
     def _resolve(self):
         """Resolves the future of every running job whose rows are all done."""
@@ -523,17 +553,6 @@ def _int(body: dict, name: str, default, lo: int, hi: int) -> int:
     if not lo <= v <= hi:
         raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
     return v
-
-
-def _float(body: dict, name: str, default, lo: float, hi: float) -> float:
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(f"'{name}' must be a number, got {type(v).__name__}", name, "invalid_type")
-    if not lo <= v <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return float(v)
 
 
 def _put_quietly(put: Callable[[tuple], None], event: tuple):
@@ -597,23 +616,27 @@ class Server:
 
     def _common(self, body: dict, prompts: list[list[int]], default_max: int) -> tuple[Job, dict]:
         longest = max(len(p) for p in prompts)
-        room = self.context - longest
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
-            max_tokens = min(default_max, room)
-        else:
-            max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", None, 1, self.cfg.max_tokens_limit)
-        if longest + max_tokens > self.context:
-            raise _bad(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds this model's context of "
-                       f"{self.context} tokens", "max_tokens", "context_length_exceeded")
+            max_tokens = min(default_max, self.context - longest, self.cfg.max_tokens_limit)
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        top_p = body.get("top_p")
+        # OpenAI accepts top_p 0 (only the most likely token): greedy
+        top_p_greedy = isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p == 0
+        try:  # the rules of `generate`, with the OpenAI caps
+            params = check_sampling(max_tokens, temperature, None, None if top_p_greedy else top_p,
+                                    prompt_length=longest, context=self.context, max_temperature=MAX_TEMPERATURE,
+                                    max_new_tokens_limit=self.cfg.max_tokens_limit,
+                                    names={"max_new_tokens": "max_tokens"})
+        except SamplingParamError as e:
+            raise _bad(str(e), e.param, e.code) from None
+        max_tokens, top_p = params.max_new_tokens, params.top_p
+        temperature = 0.0 if top_p_greedy else params.temperature
         n = _int(body, "n", 1, 1, self.cfg.max_n)
         if len(prompts) * n > self.cfg.max_batch_size:
             raise _bad(f"len(prompt) * n = {len(prompts) * n} exceeds the server's max batch size "
                        f"{self.cfg.max_batch_size}", "n")
-        temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0.0:
-            temperature = 0.0
         seed = body.get("seed")
         if seed is not None:
             seed = _int(body, "seed", None, -(2 ** 63), 2 ** 63 - 1) % (2 ** 32)
@@ -642,7 +665,7 @@ class Server:
             if isinstance(ids, int):
                 stop_ids.add(ids)
         job = Job(prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                  top_p=None if top_p >= 1.0 else top_p, seed=seed, future=concurrent.futures.Future(),
+                  top_p=None if top_p is None or top_p >= 1.0 else top_p, seed=seed, future=concurrent.futures.Future(),
                   stop_ids=frozenset(stop_ids), stop_strs=tuple(stop_strs))
         return job, {"stream": bool(stream)}
 
@@ -837,53 +860,76 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     return app
 
 
-def main(argv=None):
+def _parser():
+    from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float
     from ..dropless import IMPLS
-    p = argparse.ArgumentParser(description="OpenAI-compatible server for a tutel-jax checkpoint")
+    p = CommandParser(prog="tutel-jax serve", description="OpenAI-compatible server for a tutel-jax checkpoint "
+                      "(GET /health, /v1/models; POST /v1/completions, /v1/chat/completions)")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in_range(0, 65535), default=8000, help="0: any free port")
     p.add_argument("--batching", choices=["continuous", "bucketed"], default="continuous",
                    help="continuous: requests join and leave a running decode batch at every step (default); "
                         "bucketed: compatible requests are gathered into one generate call at a time")
-    p.add_argument("--max_batch_size", type=int, default=16,
+    p.add_argument("--max-batch-size", type=int_at_least(1), default=16,
                    help="rows (prompts x n) decoded together (continuous: the KV cache's rows)")
-    p.add_argument("--max_len", type=int, default=None,
+    p.add_argument("--max-len", type=int_at_least(2), default=None,
                    help="continuous: KV cache slots per row, which caps prompt + max_tokens (default: the "
                         "model's context, at most 2048)")
-    p.add_argument("--row_buckets", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--row-buckets", action=argparse.BooleanOptionalAction, default=True,
                    help="continuous: each decode step runs only the leading power-of-two rows that hold running "
                         "requests (cheaper steps at low load; one decode compile per power of two, compiled "
-                        "at startup for the --warmup_batch_sizes); --no-row_buckets: always all rows, one "
+                        "at startup for the --warmup-batch-sizes); --no-row-buckets: always all rows, one "
                         "compile")
-    p.add_argument("--batch_wait_ms", type=float, default=5.0, help="bucketed: how long a batch is gathered")
-    p.add_argument("--max_queue", type=int, default=256)
-    p.add_argument("--max_tokens", type=int, default=512, help="upper bound on a request's max_tokens")
-    p.add_argument("--model_name", default=None)
-    p.add_argument("--no_warmup", action="store_true")
-    p.add_argument("--warmup_batch_sizes", type=int, nargs="*", default=None,
+    p.add_argument("--batch-wait-ms", type=non_negative_float, default=5.0,
+                   help="bucketed: how long a batch is gathered")
+    p.add_argument("--max-queue", type=int_at_least(1), default=256,
+                   help="requests waiting or running; beyond: 429")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=512, help="upper bound on a request's max_tokens")
+    p.add_argument("--model-name", default=None, help="the model id in the API (default: the directory name)")
+    p.add_argument("--no-warmup", action="store_true", help="answer at once; compile on the first requests")
+    p.add_argument("--warmup-batch-sizes", type=int_at_least(1), nargs="*", default=None,
                    help="batch sizes to compile at startup (rows are padded to powers of two; continuous: "
                         "prefill group sizes; default 1)")
-    p.add_argument("--warmup_prompt_lens", type=int, nargs="*", default=None,
+    p.add_argument("--warmup-prompt-lens", type=int_at_least(1), nargs="*", default=None,
                    help="prompt lengths to compile at startup (bucketed: padded to multiples of 16; continuous: "
                         "to powers of two >= 16; default 1)")
-    p.add_argument("--warmup_max_tokens", type=int, default=2,
+    p.add_argument("--warmup-max-tokens", type=int_at_least(1), default=2,
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
-    p.add_argument("--dropless_impl", default="auto", choices=IMPLS,
+    p.add_argument("--dropless-impl", default="auto", choices=IMPLS,
                    help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
-    p.add_argument("--log_level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv=None) -> int:
+    """`tutel-jax serve`: parses the flags, loads the checkpoint and serves until stopped. Every error before
+    serving (a bad flag, a checkpoint that cannot be loaded, a missing `serve` extra) is one line on stderr,
+    `tutel-jax serve: error: ...`, and exit code 2."""
+    p = _parser()
     a = p.parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        return p.fail(f"the server needs the `serve` extra (pip install tutel-jax[serve]): {e}")
+    from ..native import NativeKernelError
     logging.basicConfig(level=a.log_level.upper())
-    import uvicorn
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
                        warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl)
-    app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
+    try:
+        app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
+    except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
+        return p.fail(f"cannot load {a.checkpoint}: {e}")
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(main())
