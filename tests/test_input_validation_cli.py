@@ -16,22 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_generate_streaming import model, prompts  # noqa: F401  (fixtures: the qwen3_moe model, its prompts)
 from tutel_jax.cli import main
 from tutel_jax.serving import generate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3_moe"
 CONTEXT = 128  # the fixture's max_position_embeddings
-
-
-@pytest.fixture(scope="module")
-def model():
-    from tutel_jax.models import from_pretrained
-    return from_pretrained(FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return np.load(FIXTURE / "expected.npz")["input_ids"]  # [2, 12]
 
 
 def _poisoned(model, token: int):
