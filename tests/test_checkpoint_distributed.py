@@ -517,3 +517,20 @@ def test_save_torch_file_killed_midway_keeps_previous_file(tmp_path):
         pytest.fail("every save finished before it could be killed")
     _assert_state_dicts_equal(loaded, _values(1, 4, 1000))
     assert any(p.name.startswith(".model.pt.") for p in d.iterdir())  # the killed write's temp file is left
+
+
+def test_every_leaf_type_save_accepts_restores_as_that_type(tmp_path):
+    """Save and restore are symmetric: NumPy scalars (e.g. a step counter np.int32(0)) come back as NumPy
+    scalars of the same type and value, next to jax arrays, NumPy arrays and Python scalars."""
+    state = {"step": np.int32(7), "lr": np.float32(0.25), "count": np.int64(-3), "w": jnp.arange(4.0),
+             "host": np.ones((2, 3), np.float32), "epoch": 5, "scale": 0.5}
+    save_checkpoint(tmp_path / "ckpt", state, 0)
+    target = {"step": np.int32(0), "lr": np.float32(0), "count": np.int64(0), "w": jnp.zeros(4),
+              "host": np.zeros((2, 3), np.float32), "epoch": 0, "scale": 0.0}
+    restored = restore_checkpoint(tmp_path / "ckpt", target)
+    for key, value in state.items():
+        got = restored[key]
+        if isinstance(value, np.generic):
+            assert type(got) is type(value) and got == value, (key, got)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(value), err_msg=key)

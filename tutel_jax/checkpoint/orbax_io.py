@@ -148,10 +148,16 @@ def _as_abstract(target: Any, stored: dict[tuple[str, ...], Any], where: Path) -
         abstract = _abstract_from_shardings(target, stored, where)
     elif any(isinstance(x, jax.sharding.Sharding) for x in leaves):
         raise ValueError("target must be all shardings or all arrays / jax.ShapeDtypeStructs, not a mix")
-    else:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    else:  # a NumPy scalar (which save accepts) is described as its 0-d array; Orbax has no rule for it
+        abstract = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(np.asarray(x) if isinstance(x, np.generic)
+                                                                         else x), target)
     _check_against_stored(abstract, stored, where)
     return abstract
+
+
+def _like_target(target: Any, restored: Any) -> Any:
+    """NumPy-scalar leaves of ``target`` come back as that scalar type (restored as 0-d arrays)."""
+    return jax.tree.map(lambda t, r: type(t)(np.asarray(r)) if isinstance(t, np.generic) else r, target, restored)
 
 
 def restore_checkpoint(directory: str | os.PathLike[str], target: Any, step: int | None = None) -> Any:
@@ -189,6 +195,6 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, step: int
     with _manager(root, read_only=True) as manager:
         abstract = _as_abstract(target, _stored_arrays(manager, step), root / str(step))
         try:
-            return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            return _like_target(target, manager.restore(step, args=ocp.args.StandardRestore(abstract)))
         except ValueError as exc:
             raise ValueError(f"cannot restore {root / str(step)} onto the given target: {exc}") from exc
