@@ -143,7 +143,7 @@ def test_short_streamed_request_finishes_before_a_long_one_in_its_batch(server, 
             arrivals += [time.monotonic()] * len(c.choices[0].token_ids)
         return time.monotonic(), toks, arrivals
 
-    for _ in range(3):  # two requests sent together almost always share a batch; retry if they did not
+    for _ in range(8):  # two requests sent together usually share a batch (not always on a loaded machine): retry
         before = httpx.get(server + "/health").json()["batches_run"]
         barrier = threading.Barrier(2)
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
