@@ -49,8 +49,9 @@ def _quantile(xs, q):
 
 
 def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log_file, warm_batches=(1,),
-                 warm_lens=(1,), max_tokens: int = 2, batching: str = "continuous"):
-    """(server process, base URL) of a server started with `--batching` + the words of `batching`."""
+                 warm_lens=(1,), max_tokens: int = 2, batching: str = "continuous", extra_args=()):
+    """(server process, base URL) of a server started with `--batching` + the words of `batching` (and
+    `extra_args`)."""
     import httpx
     port = _free_port()
     env = dict(os.environ)
@@ -59,7 +60,7 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                              "--max_batch_size", str(max_batch_size), "--batch_wait_ms", str(batch_wait_ms),
                              "--max_queue", "1024", "--log_level", "warning", "--batching", *batching.split(),
                              "--warmup_batch_sizes", *map(str, warm_batches), "--warmup_prompt_lens",
-                             *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens)],
+                             *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens), *extra_args],
                             cwd=repo_root(), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -34,3 +34,14 @@ def test_expert_parallel_benchmark_quick(tmp_path):
 def test_serve_benchmark_quick(tmp_path):
     result = _run("serve.py", tmp_path / "serve.json")
     assert result
+
+
+def test_server_soak_benchmark_quick(tmp_path):
+    """Good clients are all answered while hostile ones run, and every hostile request got its expected answer
+    (the script exits non-zero otherwise)."""
+    result = _run("server_soak.py", tmp_path / "soak.json")
+    assert result["passed"] and result["server_alive"] and result["server_tracebacks"] == 0
+    hostile = result["phases"]["hostile"]
+    assert hostile["good_requests"] > 0 and hostile["good_failures"] == 0 and hostile["p99_ms"] > 0
+    assert set(hostile["hostile"]) >= {"nested", "huge", "huge_header", "truncated", "slow_loris", "unknown_model"}
+    assert hostile["hostile"]["slow_loris"] == {"408": hostile["hostile"]["slow_loris"]["408"]}

@@ -136,8 +136,8 @@ def test_server_refuses_with_the_shared_rules(model, batching):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving import sampling, server
-    assert server.check_sampling is sampling.check_sampling  # one set of rules, not a copy
+    from tutel_jax.serving import api_requests, sampling
+    assert api_requests.check_sampling is sampling.check_sampling  # one set of rules, not a copy
     h = TestClient(_app(model, batching=batching))  # no lifespan: nothing is generated, only validated
     for body, param, code, shown in SERVER_BAD:
         content = body if isinstance(body, bytes) else json.dumps({"prompt": [1, 2], **body}).encode()

@@ -23,6 +23,7 @@ pytest.importorskip("fastapi", reason="needs the `serve` extra")
 pytest.importorskip("uvicorn", reason="needs the `serve` extra")
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3_moe"
+MODEL = FIXTURE.name  # the served model id: the checkpoint directory's name by default
 REPO = Path(__file__).resolve().parents[1]
 # the subprocess server's --batching (continuous by default; TUTEL_TEST_BATCHING=bucketed tests the other engine)
 BATCHING = os.environ.get("TUTEL_TEST_BATCHING", "continuous")
@@ -137,7 +138,7 @@ def test_short_streamed_request_finishes_before_a_long_one_in_its_batch(server, 
         """(time of the end of the stream, tokens, arrival time of each token's chunk)."""
         barrier.wait()  # send both at once: the worker gathers them into one batch
         toks, arrivals = [], []
-        for c in client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            stream=True):
             toks += c.choices[0].token_ids
             arrivals += [time.monotonic()] * len(c.choices[0].token_ids)
@@ -169,14 +170,14 @@ def test_request_sent_while_another_runs_is_answered_first(client, model):
     started, long_toks, short_done = threading.Event(), [], []
 
     def long_stream():
-        for c in client.completions.create(model="m", prompt=long_p, max_tokens=120, temperature=0, stream=True):
+        for c in client.completions.create(model=MODEL, prompt=long_p, max_tokens=120, temperature=0, stream=True):
             long_toks.extend(c.choices[0].token_ids)
             started.set()
 
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         f = ex.submit(long_stream)
         assert started.wait(60)
-        r = client.completions.create(model="m", prompt=short_p, max_tokens=3, temperature=0)
+        r = client.completions.create(model=MODEL, prompt=short_p, max_tokens=3, temperature=0)
         short_done.append(len(long_toks))
         f.result()
     assert r.choices[0].token_ids == ref_short[:3]
@@ -185,13 +186,13 @@ def test_request_sent_while_another_runs_is_answered_first(client, model):
 
 
 def test_seeded_sampling_does_not_depend_on_concurrent_traffic(client):
-    kw = {"model": "m", "prompt": [4, 5, 6], "max_tokens": 8, "temperature": 0.8, "seed": 99, "n": 2}
+    kw = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 8, "temperature": 0.8, "seed": 99, "n": 2}
     alone = [c.token_ids for c in client.completions.create(**kw).choices]
     rng = np.random.default_rng(1)
     others = [rng.integers(0, 128, size=int(rng.integers(1, 20))).tolist() for _ in range(8)]
 
     def busy(i):
-        return client.completions.create(model="m", prompt=others[i], max_tokens=12, temperature=[0, 1.0][i % 2])
+        return client.completions.create(model=MODEL, prompt=others[i], max_tokens=12, temperature=[0, 1.0][i % 2])
 
     with concurrent.futures.ThreadPoolExecutor(9) as ex:
         futures = [ex.submit(busy, i) for i in range(8)]
@@ -203,12 +204,12 @@ def test_seeded_sampling_does_not_depend_on_concurrent_traffic(client):
 
 def test_multiple_prompts_n_and_seed(client, model):
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [100]]
-    r = client.completions.create(model="m", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
     ref = _offline(model, prompts, 6)
     assert [c.index for c in r.choices] == list(range(6))
     assert [c.token_ids for c in r.choices] == [t for t in ref for _ in range(2)]
 
-    kw = dict(model="m", prompt=[4, 5, 6], max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, n=3)
+    kw = dict(model=MODEL, prompt=[4, 5, 6], max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, n=3)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.token_ids for c in a.choices] == [c.token_ids for c in b.choices]  # seeded: reproducible
     assert all(len(c.token_ids) == 6 and all(0 <= t < 128 for t in c.token_ids) for c in a.choices)
@@ -222,7 +223,7 @@ def test_concurrent_clients(server, client, model):
     before = httpx.get(server + "/health").json()["batches_run"]
 
     def ask(i):
-        return client.completions.create(model="m", prompt=prompts[i], max_tokens=6, temperature=0)
+        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
 
     with concurrent.futures.ThreadPoolExecutor(32) as ex:
         results = list(ex.map(ask, range(32)))
@@ -269,7 +270,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, model):
         r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "tokenizer_unavailable"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt=[1, 2], max_tokens=-1)
+        client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=-1)
 
 
 def test_queue_limit_answers_429():
