@@ -618,6 +618,117 @@ def test_malformed_tensor_arguments(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------
+# Views that claim more memory than their storage (a tiny file must not exhaust memory).
+# --------------------------------------------------------------------------
+
+HUGE = (20000, 20000)  # 4e8 float32 elements: 1.6 GB as an array
+
+
+def _stride0_bomb(path: Path, size: tuple[int, ...] = HUGE, value: float = 2.5) -> Path:
+    """A few-hundred-byte checkpoint: one float storage, viewed as `size` with all strides 0."""
+    obj = {"bomb": FakeTensor("FloatStorage", "0", 1, 0, size, (0,) * len(size))}
+    return _write_checkpoint(path, obj, {"0": np.array([value], np.float32).tobytes()})
+
+
+def test_stride0_view_bigger_than_its_storage_is_refused_without_allocating(tmp_path: Path) -> None:
+    import tracemalloc
+
+    path = _stride0_bomb(tmp_path / "bomb.pt")
+    assert path.stat().st_size < 1024
+    tracemalloc.start()
+    try:
+        err = _expect_format_error(path, "allow_expanding_views")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak  # nothing near the 1.6 GB the view would take
+    msg = str(err)
+    for part in ("'bomb'", "size (20000, 20000)", "stride (0, 0)", "400000000 elements", "holds only 1",
+                 "allow_expanding_views=True"):
+        assert part in msg, msg
+
+
+def test_expanding_view_opt_in_is_a_read_only_broadcast_without_copy(tmp_path: Path) -> None:
+    import tracemalloc
+
+    small = load_torch_file(_stride0_bomb(tmp_path / "small.pt", (3, 4)), allow_expanding_views=True)["bomb"]
+    np.testing.assert_array_equal(small, np.broadcast_to(np.float32(2.5), (3, 4)))
+    assert small.dtype == np.float32 and small.shape == (3, 4)
+    assert not small.flags.writeable
+    with pytest.raises(ValueError):
+        small[0, 0] = 1.0
+
+    path = _stride0_bomb(tmp_path / "bomb.pt")
+    tracemalloc.start()
+    try:
+        huge = load_torch_file(path, allow_expanding_views=True)["bomb"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak  # a view of the 4-byte storage, not a 1.6 GB copy
+    assert huge.shape == HUGE and huge.strides == (0, 0) and not huge.flags.writeable
+    assert huge[12345, 19999] == np.float32(2.5)
+
+
+def test_partly_broadcast_view_within_its_storage_is_still_copied(tmp_path: Path) -> None:
+    # 2 x 3 elements, stride (0, 1), over a 12-element storage: no bigger than the storage, so allowed
+    storage = np.arange(12, dtype=np.float32)
+    obj = {"b": FakeTensor("FloatStorage", "0", 12, 5, (2, 3), (0, 1)),
+           "over": FakeTensor("FloatStorage", "0", 12, 0, (4, 4), (1, 1))}  # 16 > 12 elements: overlapping
+    path = _write_checkpoint(tmp_path / "b.pt", obj, {"0": storage.tobytes()})
+    err = _expect_format_error(path, "'over'.*16 elements.*holds only 12")
+    assert "'b'" not in str(err)
+    loaded = load_torch_file(path, allow_expanding_views=True)
+    _assert_same(loaded["b"], np.stack([storage[5:8]] * 2))
+    assert loaded["b"].flags.owndata and loaded["b"].flags.writeable  # within the storage: an owned copy
+    np.testing.assert_array_equal(loaded["over"], np.add.outer(np.arange(4), np.arange(4)).astype(np.float32))
+
+
+def test_non_contiguous_views_load_exactly(tmp_path: Path) -> None:
+    n = 5
+    storage = np.arange(3 * n, dtype=np.float32)
+    obj = {"t": FakeTensor("FloatStorage", "0", 3 * n, 0, (n, 3), (1, n)),  # a transposed [3, n]
+           "every_other": FakeTensor("FloatStorage", "0", 3 * n, 1, (2, 2), (n, 2))}
+    loaded = load_torch_file(_write_checkpoint(tmp_path / "t.pt", obj, {"0": storage.tobytes()}))
+    _assert_same(loaded["t"], storage.reshape(3, n).T)
+    _assert_same(loaded["every_other"], storage.reshape(3, n)[:2, 1:5:2])
+    assert all(a.flags.owndata and a.flags.c_contiguous for a in loaded.values())
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "stride", "match"),
+    [
+        (9, (0,), (1,), "starts past the end of storage '0', which holds only 4"),
+        (5, (1,), (1,), "starts past the end"),
+        (0, (2, 2), (3, 1), "reads element 4 but storage '0' holds only 4"),
+        (0, (2,), (-1,), "stride .*non-negative"),
+        (-1, (1,), (1,), "offset -1 is not a non-negative int"),
+    ],
+    ids=["empty-offset-past-end", "offset-past-end", "last-past-end", "negative-stride", "negative-offset"],
+)
+def test_views_outside_their_storage_are_refused(tmp_path: Path, offset: int, size: tuple, stride: tuple,
+                                                 match: str) -> None:
+    obj = {"w": FakeTensor("FloatStorage", "0", 4, offset, size, stride)}
+    path = _write_checkpoint(tmp_path / "oob.pt", obj, {"0": b"\0" * 16})
+    _expect_format_error(path, match)
+    with pytest.raises(CheckpointFormatError, match=match):
+        load_torch_file(path, allow_expanding_views=True)  # the opt-in never relaxes the bounds
+
+
+def test_callers_of_load_torch_file_surface_the_expanding_view_error(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    from tutel_jax.checkpoint.__main__ import main as checkpoint_cli
+    from tutel_jax.checkpoint.tutel_format import read_state_dict
+
+    path = _stride0_bomb(tmp_path / "bomb.pt")
+    with pytest.raises(CheckpointFormatError, match="'bomb'.*allow_expanding_views"):
+        read_state_dict(path)
+    rc = checkpoint_cli(["scatter", f"--input={path}", "--output_size=2", f"--outputs={tmp_path}/r{{rank}}.pt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "'bomb'" in err[0] and "allow_expanding_views" in err[0], err
+
+
+# --------------------------------------------------------------------------
 # Optional: PyTorch itself as the oracle.
 # --------------------------------------------------------------------------
 
@@ -716,3 +827,17 @@ def test_load_torch_file_reads_module_state_dict(tmp_path: Path) -> None:
     for key, array in expected.items():
         _assert_same(loaded[key], array)
     _assert_same(loaded["epoch"], np.array(2, np.int64))
+
+
+@pytest.mark.torch
+def test_torch_saved_stride0_view_is_refused_then_loaded_on_request(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch", reason=_TORCH_REASON)
+    path = tmp_path / "bomb.pt"
+    torch.save({"bomb": torch.full((1,), 2.5).as_strided(HUGE, (0, 0)),
+                "t": torch.arange(12.0).reshape(3, 4).t()}, path)
+    assert path.stat().st_size < 4096
+    _expect_format_error(path, "'bomb'.*size \\(20000, 20000\\), stride \\(0, 0\\).*allow_expanding_views")
+    loaded = load_torch_file(path, allow_expanding_views=True)
+    assert loaded["bomb"].shape == HUGE and loaded["bomb"].strides == (0, 0)
+    assert loaded["bomb"][7, 19999] == np.float32(2.5)
+    _assert_same(loaded["t"], np.arange(12.0, dtype=np.float32).reshape(3, 4).T)

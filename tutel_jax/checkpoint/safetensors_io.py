@@ -10,6 +10,13 @@ of the data section) plus an optional "__metadata__" {str: str}. Every header en
 tensor is read: header size, dtype, shape, offsets inside the file, byte count == prod(shape) * itemsize, and
 no two tensors overlapping. Errors are `ValueError`s naming the file (and the tensor).
 
+With `check_finite=True` (what `models.from_pretrained` passes by default) every tensor is checked for
+non-finite values as it is read, chunk by chunk while it is copied out of the mmap (no extra full-size
+temporaries): float tensors (f64/f32/f16/bf16) for NaN/inf, FP8 (e4m3fn NaN codes 0x7F/0xFF, e5m2 inf/NaN)
+through their byte patterns, and the uint8 quantization scales: MXFP4 E8M0 `*_scales` (0xFF is NaN) and NVFP4
+e4m3 `*.weight_scale` stored as bytes. Packed E2M1 nibbles and integer tensors have no non-finite codes. A hit
+raises `NonFiniteTensorError` (a `CheckpointFormatError`, so a `ValueError`) naming the file and tensor.
+
     f = SafetensorsFile("model.safetensors"); f.keys(); f.get("lm_head.weight")   # np.ndarray copy
     ckpt = open_checkpoint("path/to/model_dir")    # model.safetensors or model.safetensors.index.json shards
 """
@@ -26,7 +33,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint"]
+from .torch_zip import CheckpointFormatError
+
+__all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint", "NonFiniteTensorError",
+           "count_nonfinite"]
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -37,16 +47,84 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+_CHECK_CHUNK_BYTES = 1 << 20  # the finite check copies and checks this much at a time (stays in cache)
+
+
+class NonFiniteTensorError(CheckpointFormatError):
+    """A tensor of a checkpoint holds non-finite values (NaN / inf, or a quantization scale's NaN code).
+    Attributes: `path` (the file), `tensor` (its name), `count` (how many values)."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, tensor: str | None = None,
+                 count: int = 0):
+        super().__init__(message)
+        self.path, self.tensor, self.count = path, tensor, count
+
+
+def _nonfinite_rule(name: str, dtype: np.dtype) -> tuple[str, int, str] | None:
+    """(test, bits, description) for a tensor, or None when it has no non-finite codes. test 'isfinite':
+    np.isfinite; 'mask': the raw bits x have x & bits == bits (an all-ones exponent); 'equal': x == bits."""
+    if dtype.kind == "f":
+        return "isfinite", 0, "NaN/inf"
+    if dtype == DTYPES["BF16"]:
+        return "mask", 0x7F80, "bfloat16 NaN/inf"
+    if dtype == DTYPES["F8_E4M3"]:
+        return "mask", 0x7F, "float8_e4m3fn NaN codes 0x7F/0xFF"
+    if dtype == DTYPES["F8_E5M2"]:
+        return "mask", 0x7C, "float8_e5m2 NaN/inf"
+    if dtype == np.uint8 and name.endswith("_scales"):  # MXFP4 (GPT-OSS) E8M0 block scales
+        return "equal", 0xFF, "MXFP4 E8M0 scale code 0xFF = NaN"
+    if dtype == np.uint8 and name.endswith(".weight_scale"):  # NVFP4 e4m3 block scales stored as bytes
+        return "mask", 0x7F, "NVFP4 e4m3 scale NaN codes 0x7F/0xFF"
+    return None
+
+
+def _scan(rule: tuple[str, int, str], dst: np.ndarray, src_bits: np.ndarray | None = None) -> int:
+    """The number of non-finite values of the 1-D contiguous `dst` under `rule`, in chunks of ~1 MiB with
+    reused scratch buffers (no full-size temporary). With `src_bits` (raw bits, dst's size), each chunk is
+    first copied from there into `dst`, so it is checked while it is in cache."""
+    test, pattern, _ = rule
+    n = dst.size
+    step = max(1, _CHECK_CHUNK_BYTES // dst.itemsize)
+    bits = np.dtype(f"<u{dst.itemsize}")
+    dst_bits, pattern = dst.view(bits), bits.type(pattern)
+    flags = np.empty(min(n, step), bool)
+    scratch = np.empty(min(n, step), bits) if test == "mask" else None
+    bad = 0
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        if src_bits is not None:  # copied as raw bits: ml_dtypes' own copy loops are slow
+            dst_bits[i:j] = src_bits[i:j]
+        f = flags[:j - i]
+        if test == "isfinite":
+            np.isfinite(dst[i:j], out=f)
+            bad += (j - i) - int(np.count_nonzero(f))
+            continue
+        if test == "mask":
+            np.equal(np.bitwise_and(dst_bits[i:j], pattern, out=scratch[:j - i]), pattern, out=f)
+        else:
+            np.equal(dst_bits[i:j], pattern, out=f)
+        bad += int(np.count_nonzero(f))
+    return bad
+
+
+def count_nonfinite(name: str, array: np.ndarray) -> int:
+    """How many values of the checkpoint tensor `name` are non-finite, by the rules of the module docstring
+    (0 for tensors without non-finite codes); checked in chunks, without a full-size temporary (a
+    non-contiguous `array` is copied once)."""
+    rule = _nonfinite_rule(name, array.dtype)
+    return 0 if rule is None or array.size == 0 else _scan(rule, np.ascontiguousarray(array).reshape(-1))
 
 
 class SafetensorsFile(Mapping):
     """Lazy read-only view of one .safetensors file; tensors are read on `get` (a NumPy copy each time).
 
-    Also a Mapping name -> np.ndarray, so `dict(f)` loads everything.
+    Also a Mapping name -> np.ndarray, so `dict(f)` loads everything. `check_finite`: `get` raises
+    `NonFiniteTensorError` for a tensor with non-finite values (module docstring); off by default here.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, check_finite: bool = False):
         self.path = Path(path)
+        self.check_finite = bool(check_finite)
         try:
             self._fh = open(self.path, "rb")
         except OSError as e:
@@ -145,14 +223,29 @@ class SafetensorsFile(Mapping):
 
     def get(self, name: str, default=None) -> np.ndarray | None:
         """The tensor `name` as a new NumPy array (its on-disk dtype and shape); `default` if there is no such
-        tensor (Mapping semantics; `f[name]` raises a KeyError naming the file instead)."""
+        tensor (Mapping semantics; `f[name]` raises a KeyError naming the file instead). With `check_finite`,
+        a `NonFiniteTensorError` for a tensor with non-finite values (checked chunk by chunk as it is copied)."""
         if name not in self._entries:
             return default
         if self._mm is None:
             raise self._error("file is closed")
         dtype, shape, begin, end = self._entries[name]
-        return np.frombuffer(self._mm, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                             offset=begin).reshape(shape).copy()
+        n = (end - begin) // dtype.itemsize
+        src = np.frombuffer(self._mm, dtype=dtype, count=n, offset=begin)
+        rule = _nonfinite_rule(name, dtype) if self.check_finite else None
+        if rule is None:
+            return src.reshape(shape).copy()
+        out = np.empty(n, dtype)
+        try:
+            bad = _scan(rule, out, src.view(f"<u{dtype.itemsize}")) if n else 0
+        finally:
+            del src  # no view of the mmap may outlive this call (close() would fail on it)
+        if bad:
+            raise NonFiniteTensorError(
+                f"{self.path}: tensor {name!r} ({dtype.name} {list(shape)}) has {bad} non-finite value(s) of {n} "
+                f"({rule[2]}); the file is corrupt (flipped bits?). Pass check_finite=False to load it anyway",
+                self.path, name, bad)
+        return out.reshape(shape)
 
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:
@@ -206,12 +299,13 @@ class Checkpoint(Mapping):
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, *, check_finite: bool = False) -> Checkpoint:
     """Opens `path`: a .safetensors file, or a directory with `model.safetensors` or the sharded
-    `model.safetensors.index.json` (its `weight_map` names each tensor's shard)."""
+    `model.safetensors.index.json` (its `weight_map` names each tensor's shard). `check_finite`: each tensor
+    read is checked for non-finite values (`NonFiniteTensorError`, see the module docstring)."""
     path = Path(path)
     if path.is_file():
-        f = SafetensorsFile(path)
+        f = SafetensorsFile(path, check_finite=check_finite)
         return Checkpoint({f.path.name: f}, {k: f.path.name for k in f.keys()})
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -223,12 +317,12 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise ValueError(f"{index}: shard {shard!r} is missing from {path}")
-            files[shard] = SafetensorsFile(path / shard)
+            files[shard] = SafetensorsFile(path / shard, check_finite=check_finite)
         for name, shard in weight_map.items():
             if name not in files[shard]:
                 raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, which does not hold it")
         return Checkpoint(files, weight_map)
     single = path / "model.safetensors"
     if single.is_file():
-        return open_checkpoint(single)
+        return open_checkpoint(single, check_finite=check_finite)
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")

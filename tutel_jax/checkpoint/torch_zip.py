@@ -45,7 +45,8 @@ __all__ = [
 
 
 class CheckpointFormatError(ValueError):
-    """The file is not a readable ``torch.save`` zip checkpoint."""
+    """The file is not a readable checkpoint: a malformed ``torch.save`` zip here; a safetensors tensor with
+    non-finite values (``safetensors_io.NonFiniteTensorError``, a subclass)."""
 
 
 class UnsafeCheckpointError(ValueError):
@@ -293,16 +294,35 @@ def _storage_array(zf: zipfile.ZipFile, top: str, ref: _StorageRef) -> np.ndarra
     return flat
 
 
-def _materialize(flat: np.ndarray, record: _TensorRecord, key: str) -> np.ndarray:
-    """Build an owned array for ``record`` from its storage (torch's view semantics)."""
+def _materialize(flat: np.ndarray, record: _TensorRecord, key: str, allow_expanding_views: bool = False) -> np.ndarray:
+    """Build the array for ``record`` from its storage (torch's view semantics).
+
+    Every view must lie inside its storage. A view with more elements than its storage (a broadcast or
+    overlapping view, e.g. stride 0) is refused unless ``allow_expanding_views``; then it is returned as a
+    read-only strided view of the storage (no copy). Any other view is copied into an owned C-contiguous array,
+    which never needs more memory than the storage itself.
+    """
     dtype = record.storage.dtype
+    where = f"tensor {key!r} (offset {record.offset}, size {record.size}, stride {record.stride})"
+    if record.offset > flat.size:
+        raise _FormatProblem(f"{where} starts past the end of storage {record.storage.key!r}, "
+                             f"which holds only {flat.size} elements")
     if 0 in record.size:
         return np.empty(record.size, dtype=dtype)
     last = record.offset + sum((n - 1) * s for n, s in zip(record.size, record.stride, strict=True))
     if last >= flat.size:
         raise _FormatProblem(
-            f"tensor {key!r} (offset {record.offset}, size {record.size}, stride {record.stride}) "
-            f"reads element {last} but storage {record.storage.key!r} holds only {flat.size}"
+            f"{where} reads element {last} but storage {record.storage.key!r} holds only {flat.size}"
+        )
+    count = 1
+    for n in record.size:
+        count *= n
+    if count > flat.size and not allow_expanding_views:
+        raise _FormatProblem(
+            f"{where} has {count} elements ({count * flat.itemsize} bytes as an array) but storage "
+            f"{record.storage.key!r} holds only {flat.size}: a broadcast/overlapping (e.g. stride-0) view is "
+            "refused, as it would make a small file allocate far more memory than it holds; pass "
+            "allow_expanding_views=True to load_torch_file to get it as a read-only view of the storage"
         )
     view = np.lib.stride_tricks.as_strided(
         flat[record.offset :],
@@ -310,11 +330,14 @@ def _materialize(flat: np.ndarray, record: _TensorRecord, key: str) -> np.ndarra
         strides=tuple(s * flat.itemsize for s in record.stride),
         writeable=False,
     )
+    if count > flat.size:
+        return view  # allowed expanding view: read-only, shares the storage's memory
     # A fresh C-contiguous copy: owned, writable and independent of the zip bytes.
     return np.array(view, dtype=dtype, order="C", copy=True)
 
 
-def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any]) -> dict[str, np.ndarray]:
+def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any],
+                     allow_expanding_views: bool = False) -> dict[str, np.ndarray]:
     """Turn tensor records into arrays, reading each storage once and then dropping it."""
     by_storage: dict[str, list[str]] = collections.defaultdict(list)
     for key, leaf in leaves.items():
@@ -327,13 +350,13 @@ def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any]) -> d
             record = leaves[key]
             if record.storage.dtype != leaves[keys[0]].storage.dtype:
                 raise _FormatProblem(f"storage {record.storage.key!r} is used with two dtypes")
-            arrays[key] = _materialize(flat, record, key)
+            arrays[key] = _materialize(flat, record, key, allow_expanding_views)
         del flat  # bound peak memory to one storage's bytes at a time
     # Preserve the checkpoint's key order.
     return {key: arrays[key] if isinstance(leaf, _TensorRecord) else leaf for key, leaf in leaves.items()}
 
 
-def _read_checkpoint(zf: zipfile.ZipFile, path: str) -> dict[str, np.ndarray]:
+def _read_checkpoint(zf: zipfile.ZipFile, path: str, allow_expanding_views: bool = False) -> dict[str, np.ndarray]:
     """Unpickle ``data.pkl`` safely and materialise every tensor."""
     top = _find_top_folder(zf)
     _check_byteorder(zf, top)
@@ -343,7 +366,7 @@ def _read_checkpoint(zf: zipfile.ZipFile, path: str) -> dict[str, np.ndarray]:
         raise _FormatProblem(f"data.pkl holds a {type(obj).__name__}, expected a dict of tensors (a state dict)")
     leaves: dict[str, Any] = {}
     _flatten(obj, "", leaves)
-    return _materialize_all(zf, top, leaves)
+    return _materialize_all(zf, top, leaves, allow_expanding_views)
 
 
 def _describe_non_zip(path: str) -> str:
@@ -382,16 +405,24 @@ _MALFORMED_INPUT_ERRORS = (
 )
 
 
-def load_torch_file(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+def load_torch_file(path: str | os.PathLike[str], *, allow_expanding_views: bool = False) -> dict[str, np.ndarray]:
     """Load a ``torch.save`` zip checkpoint of tensors as numpy arrays, without torch.
 
     Args:
         path: a file written by ``torch.save`` (torch >= 1.6 zip format), or by
             :func:`save_torch_file`.
+        allow_expanding_views: accept tensors that are views with more elements
+            than their storage holds (broadcast/overlapping views such as
+            ``x.expand(...)``, stride 0). Off by default: such a view lets a tiny
+            file claim gigabytes (a ``(20000, 20000)`` stride-``(0, 0)`` view of
+            one float is 1.6 GB as an array). When on, each such tensor is
+            returned WITHOUT copying, as a read-only ``as_strided`` view of its
+            storage (not owned, not C-contiguous; ``np.array(a)`` copies it).
 
     Returns:
         A dict in the checkpoint's key order mapping names to owned, C-contiguous
-        numpy arrays with torch's dtype (bfloat16 as ``ml_dtypes.bfloat16``);
+        numpy arrays with torch's dtype (bfloat16 as ``ml_dtypes.bfloat16``;
+        views are copied, except the expanding views above);
         0-d tensors become 0-d arrays. Nested dicts (e.g. ``{"model": {...}}``)
         and lists are flattened with '.'-joined keys (``"model.fc.weight"``,
         ``"layers.0.w"``). Non-tensor leaves: ints, floats and bools become 0-d
@@ -404,7 +435,10 @@ def load_torch_file(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         CheckpointFormatError: the file is missing or unreadable, not a zip,
             truncated or otherwise malformed, uses an unsupported dtype (e.g.
             ``torch.ComplexFloatStorage``) or byte order, or does not hold a
-            dict; the message names the file.
+            dict; a tensor view reaches outside its storage (offset or last
+            element past its end), or has more elements than its storage
+            without ``allow_expanding_views`` (the message names the tensor,
+            its size/stride and the storage size). The message names the file.
     """
     path_str = os.fspath(path)
     if not os.path.isfile(path_str):
@@ -413,7 +447,7 @@ def load_torch_file(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         if not zipfile.is_zipfile(path_str):
             raise _FormatProblem(_describe_non_zip(path_str))
         with zipfile.ZipFile(path_str) as zf:
-            return _read_checkpoint(zf, path_str)
+            return _read_checkpoint(zf, path_str, allow_expanding_views)
     except (UnsafeCheckpointError, CheckpointFormatError):
         raise
     except OSError as exc:

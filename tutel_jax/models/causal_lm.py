@@ -138,7 +138,8 @@ class CausalLM:
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
-                    kernel_backend: str | None = None, dropless_impl: str = "auto") -> CausalLM:
+                    kernel_backend: str | None = None, dropless_impl: str = "auto",
+                    check_finite: bool = True) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
@@ -153,9 +154,16 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
     for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
     C++ CPU kernel for SwiGLU experts, the fastest CPU decode, checked and built here).
-    `tensors` overrides the checkpoint's tensors. `progress`: a per-layer progress bar (None: when stderr is
-    a terminal). Errors (ValueError naming the file or tensor; nothing partial is returned): unknown
-    model_type, missing config.json / shard / tensor, bad safetensors header, shapes that contradict the config.
+    `check_finite` (default on): every tensor read from the checkpoint is checked for non-finite values as it
+    is read (float tensors for NaN/inf, FP8 weights and the quantization scales, MXFP4 E8M0, FP8
+    weight_scale_inv, NVFP4 e4m3 and global scales, for their NaN codes; see `checkpoint.safetensors_io`), so a
+    corrupt file (flipped bits) fails at load instead of giving NaN logits: `NonFiniteTensorError` (a
+    ValueError) naming the file, the tensor and the count. It costs a pass over each tensor while it is copied
+    out of the mmap; `check_finite=False` skips it.
+    `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
+    per-layer progress bar (None: when stderr is a terminal). Errors (ValueError naming the file or tensor;
+    nothing partial is returned): unknown model_type, missing config.json / shard / tensor, bad safetensors
+    header, shapes that contradict the config, non-finite weights (above).
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -172,7 +180,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     except KeyError as e:
         raise ValueError(f"{config_file}: missing key {e.args[0]!r}") from None
     check_quantization_config(config)
-    ckpt = open_checkpoint(path) if tensors is None else tensors
+    ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
         source = ckpt
         if is_quantized(config):

@@ -149,8 +149,9 @@ class _QuantizedCheckpointView(Mapping):
                 raise KeyError(name)
             return self._plain(np.asarray(self._t[name]))
         kind, parts = rule
+        arrays = [np.asarray(self._t[p]) for p in parts]  # read errors (e.g. non-finite) pass through as they are
         try:
-            return self._convert(kind, [np.asarray(self._t[p]) for p in parts])
+            return self._convert(kind, arrays)
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
 
