@@ -7,9 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,58 +19,19 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi", reason="needs the `serve` extra")
 pytest.importorskip("uvicorn", reason="needs the `serve` extra")
 
+from server_process import served  # noqa: E402
+
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3_moe"
 MODEL = FIXTURE.name  # the served model id: the checkpoint directory's name by default
-REPO = Path(__file__).resolve().parents[1]
 # the subprocess server's --batching (continuous by default; TUTEL_TEST_BATCHING=bucketed tests the other engine)
 BATCHING = os.environ.get("TUTEL_TEST_BATCHING", "continuous")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log_file = open(log_path, "w")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", str(FIXTURE), "--host", "127.0.0.1",
-                             "--port", str(port), "--max_batch_size", "16", "--batch_wait_ms", "10",
-                             "--batching", BATCHING,
-                             "--log_level", "info"],
-                            cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy within 90 s")
-            time.sleep(0.25)
+    with served(FIXTURE, ["--max-batch-size", "16", "--batch-wait-ms", "10", "--batching", BATCHING],
+                tmp_path_factory.mktemp("server")) as base:
         yield base
-    finally:
-        proc.terminate()  # SIGTERM: uvicorn's graceful shutdown, then the worker stops
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
-        log_file.close()
-        text = log_path.read_text()
-        # uvicorn re-raises the captured SIGTERM after its graceful shutdown: rc -15 (or 0)
-        assert rc in (0, -15), (rc, text[-2000:])
-        assert "Application shutdown complete" in text and "worker stopped" in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")

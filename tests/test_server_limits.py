@@ -8,8 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi", reason="needs the `serve` extra")
 
-from test_server import FIXTURE, REPO, _free_port  # noqa: E402
+from server_process import served  # noqa: E402
+from test_server import FIXTURE  # noqa: E402
 
 MAX_BYTES = 256 * 1024  # above the 200 KB nested body
 READ_TIMEOUT_S = 2.0
@@ -28,35 +27,11 @@ GOOD = {"model": NAME, "prompt": [9, 8, 7], "max_tokens": 3, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("limits") / "server.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", str(FIXTURE), "--port", str(port),
-                                 "--served-model-name", NAME, "--max-request-bytes", str(MAX_BYTES),
-                                 "--read-timeout", str(READ_TIMEOUT_S), "--max-batch-size", "4"],
-                                cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "server did not become healthy within 90 s"
-                time.sleep(0.25)
-            yield port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    text = log_path.read_text()
-    assert "Traceback" not in text, text[-4000:]  # every hostile request was handled, none crashed a handler
+    args = ["--served-model-name", NAME, "--max-request-bytes", str(MAX_BYTES), "--read-timeout",
+            str(READ_TIMEOUT_S), "--max-batch-size", "4"]
+    # no tracebacks: every hostile request was handled, none crashed a handler
+    with served(FIXTURE, args, tmp_path_factory.mktemp("limits"), no_tracebacks=True) as base:
+        yield int(base.rsplit(":", 1)[1])
 
 
 def _error(r: httpx.Response | http.client.HTTPResponse, data: bytes | None = None) -> dict:

@@ -4,7 +4,9 @@ the response options) or an `APIError` naming the field at fault (400; 404 for a
 - `parse_body`: the raw body as a JSON object (invalid, truncated or too deeply nested JSON: 400 invalid_json).
 - `parse_completion`: POST /v1/completions (`prompt`: a string, a list of strings, a token-id list, or a list of
   token-id lists).
-- `parse_chat`: POST /v1/chat/completions (`messages`: {role, content} objects; content a string or text parts).
+- `parse_chat`: POST /v1/chat/completions (`messages`: {role, content} objects; content a string or text parts;
+  without max_tokens it generates until a stop, the context's end or the server's --max-tokens). Fields that
+  this server does not act on (`tools`, `user`, ...) are accepted and ignored.
 Both share the sampling fields (`check_sampling`'s rules with the OpenAI caps: temperature in [0, 2], top_p 0 as
 greedy, max_tokens at most the server's limit), `n`, `seed`, `stop`, `stream` and `stream_options`. A request's
 prompts x n must fit the server's batch (checked before any prompt is tokenized)."""
@@ -175,13 +177,14 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return True, bool(include)
 
 
-def _parse(body: dict, prompts: list[list[int]], n: int, limits: ModelLimits) -> ParsedRequest:
-    """The fields both endpoints share, applied to the request's prompts."""
+def _parse(body: dict, prompts: list[list[int]], n: int, limits: ModelLimits, default_max: int) -> ParsedRequest:
+    """The fields both endpoints share, applied to the request's prompts (`default_max`: max_tokens when the
+    request gives none, bounded by the context left and the server's cap)."""
     cfg = limits.cfg
     longest = max(len(p) for p in prompts)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
-        max_tokens = min(cfg.default_max_tokens, limits.context - longest, cfg.max_tokens_limit)
+        max_tokens = min(default_max, limits.context - longest, cfg.max_tokens_limit)
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     top_p = body.get("top_p")
@@ -212,7 +215,8 @@ def parse_completion(body: dict, limits: ModelLimits) -> ParsedRequest:
     """POST /v1/completions."""
     _check_model(body, limits)
     n = _int(body, "n", 1, 1, limits.cfg.max_n)
-    return _parse(body, _prompts(body.get("prompt"), n, limits), n, limits)
+    # OpenAI's completions default: 16 tokens
+    return _parse(body, _prompts(body.get("prompt"), n, limits), n, limits, limits.cfg.default_max_tokens)
 
 
 def parse_chat(body: dict, limits: ModelLimits) -> ParsedRequest:
@@ -230,4 +234,5 @@ def parse_chat(body: dict, limits: ModelLimits) -> ParsedRequest:
     except TextUnavailableError as e:
         raise _text_error(e) from None
     _check_ids(ids, "messages", limits)
-    return _parse(body, [ids], n, limits)
+    # OpenAI's chat default: until a stop or the end of the context (here: at most the server's --max-tokens)
+    return _parse(body, [ids], n, limits, limits.context)

@@ -22,7 +22,7 @@ class ServerConfig:
     max_queue: int = 256            # requests waiting or running; beyond: 429
     max_tokens_limit: int = 512     # upper bound on a request's max_tokens
     max_n: int = 16
-    default_max_tokens: int = 16
+    default_max_tokens: int = 16    # /v1/completions without max_tokens (chat: up to max_tokens_limit)
     model_name: str | None = None   # the served model id (default: the checkpoint directory's name); requests
                                     # naming another model get 404 model_not_found
     warmup_batch_sizes: list[int] | None = None    # compiled at startup (rows); default [1]
