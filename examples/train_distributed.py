@@ -36,14 +36,31 @@ Process set-up (`jax.distributed.initialize`):
     devices per process is `--local_devices` (default 4; sets XLA_FLAGS=--xla_force_host_platform_device_count
     before JAX is imported; without the flag an existing setting in XLA_FLAGS is kept). It has no effect on
     GPU/TPU backends.
-  * Failure detection: if a process dies, the others must not hang. `--heartbeat_timeout S` (default 10 s) is
-    passed to the JAX coordination service: a process that stops heartbeating for S seconds is declared dead
-    and JAX aborts the surviving processes (SIGABRT, "Terminating process because the JAX distributed
-    service detected fatal errors"); if process 0 (the coordinator) dies, the others abort as soon as their
-    connection to it fails, without waiting for the timeout. As a second line of defence,
-    `--step_timeout S` (default 120 s, 0 disables) makes this process exit with status 3 when one step
-    (including its compilation), the start-up placement or the final shutdown barrier takes longer than S
-    seconds. (A gloo collective whose peer has died does not fail by itself: it blocks.)
+  * Failure detection: if a process dies, the others must not hang, and they say which process stopped.
+    `--heartbeat_timeout S` (default 10 s) is passed to the JAX coordination service: a process that stops
+    heartbeating for S seconds is declared dead and JAX terminates the surviving processes from C++ (SIGABRT,
+    "Terminating process because the JAX distributed service detected fatal errors"). If process 0 (the
+    coordinator) dies, the others end as soon as their connection to it fails, without waiting for the
+    timeout. A collective whose peer died may also fail first, with whatever the broken connection gives
+    (gloo: "Connection closed by peer", "Received data size doesn't match expected size. Is there a
+    distributed collective mismatch?"), or it may block.
+    Either way the survivor prints one line, `[process I] error: process 0 (the coordinator) stopped during
+    step 1; stopping` (or `process N stopped ...`), and exits with status 4:
+      - a step (or the start-up, or the shutdown) that raises first checks whether process 0 still accepts
+        connections, then asks the coordination service which processes are alive
+        (`tutel_jax.parallel.failures.dead_peers`). If all of them are, the original error is raised. If the
+        question cannot be answered, the error is raised after S + 5 seconds, which leaves JAX the time to
+        declare a dead process;
+      - JAX's abort cannot be caught in Python, so the script runs itself as a child process, and the
+        parent names the stopped process after the child ends. The parent relays the child's stderr and keeps
+        its last 256 KiB, where JAX names the processes it declared dead; it also checks whether the
+        coordinator can still be reached. The parent imports no JAX unless the child failed. It exits with the child's
+        status, 4 when a process stopped, 128 + N when the child was killed by signal N for another reason.
+        It passes SIGTERM and SIGHUP on to the child; Ctrl-C reaches both, and the parent waits for the
+        child. If the parent is killed, the child exits. `--no_supervisor` runs without the parent.
+    As a second line of defence, `--step_timeout S` (default 120 s, 0 disables) makes this process exit with
+    status 3 when one step (including its compilation), the start-up placement or the final shutdown barrier
+    takes longer than S seconds (status 4 if the coordinator is gone by then).
     `--init_timeout S` (default 60 s) bounds how long `initialize` waits for all processes to connect.
   * `--fail_at_step K` (testing): this process calls os._exit(1) at the start of step K, without any cleanup.
 
@@ -64,10 +81,112 @@ import os
 import sys
 from typing import Sequence
 
-from tutel_jax.cli_args import (ensure_host_device_count, finite_float, int_at_least, non_negative_float,
-                                positive_float, set_host_device_count)
-
 DEFAULT_LOCAL_DEVICES = 4
+SUPERVISOR_ENV = "TUTEL_JAX_SUPERVISOR_FDS"  # set for the child: "<status pipe fd>,<lifeline pipe fd>"
+STDERR_TAIL_BYTES = 1 << 18  # how much of the child's stderr the supervisor keeps to read JAX's error from
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Supervisor: the parent process (standard library only; it runs before JAX is imported)
+# ----------------------------------------------------------------------------------------------------------
+def supervise(argv: Sequence[str]) -> int:
+    """Runs this script again as a child process and explains how it ended. Returns the exit status.
+
+    JAX terminates a process from C++ (SIGABRT) when its distributed service detects that a process has
+    stopped, and Python cannot report anything then. This parent outlives the child, so it can name the
+    stopped process. It relays the child's stderr and keeps the tail (JAX's error names the processes it
+    declared dead). Through a pipe, the child sends its process id, the coordinator address, its current
+    phase and any exit status it chose itself. A second pipe stays open for the parent's lifetime: the child
+    exits when it closes (when the parent is killed).
+    """
+    import signal
+    import subprocess
+    import threading
+
+    status_r, status_w = os.pipe()
+    lifeline_r, _lifeline_w = os.pipe()  # never written: the write end closes when this process ends
+    stderr_r, stderr_w = os.pipe()
+    env = dict(os.environ, **{SUPERVISOR_ENV: f"{status_w},{lifeline_r}"})
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env, stderr=stderr_w,
+                             pass_fds=(status_w, lifeline_r))
+    for fd in (status_w, lifeline_r, stderr_w):
+        os.close(fd)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGINT, lambda _signum, _frame: None)  # Ctrl-C reaches the child as well
+
+    tail = bytearray()
+    status: dict[str, str] = {}
+
+    def relay_stderr() -> None:
+        while chunk := os.read(stderr_r, 1 << 16):
+            tail.extend(chunk)
+            del tail[:-STDERR_TAIL_BYTES]
+            view = memoryview(chunk)
+            while view:
+                try:
+                    view = view[os.write(2, view):]
+                except OSError:  # our stderr is gone: keep draining the child's
+                    break
+
+    def read_status() -> None:
+        with open(status_r, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                key, _, value = line.rstrip("\n").partition(" ")
+                status[key] = value
+
+    threads = [threading.Thread(target=target, daemon=True) for target in (relay_stderr, read_status)]
+    for thread in threads:
+        thread.start()
+    code = child.wait()
+    for thread in threads:
+        thread.join(timeout=10)
+    if code == 0:
+        return 0
+    if "exit" in status:  # the child said why it stops (and printed it)
+        return int(status["exit"])
+    return explain_child_failure(code, status, tail.decode("utf-8", errors="replace"))
+
+
+def explain_child_failure(code: int, status: dict[str, str], log_text: str) -> int:
+    """The supervisor's report on a child that failed without saying why. Returns the exit status."""
+    import signal
+
+    pid, phase = status.get("process"), status.get("phase")
+    prefix = f"[process {pid}] " if pid is not None else ""
+    during = f" during {phase}" if phase else ""
+    if pid is not None:  # a member of a multi-process job: did another process stop?
+        try:
+            from tutel_jax.parallel.failures import PEER_STOPPED_EXIT_CODE, find_stopped_processes, stopped_message
+
+            stopped = find_stopped_processes(process_id=int(pid), coordinator_address=status.get("coordinator"),
+                                             log_text=log_text)
+        except Exception as err:  # noqa: BLE001 - the report must not hide the child's failure
+            print(f"{prefix}warning: could not tell whether another process stopped: {err}", file=sys.stderr)
+            stopped = []
+        if stopped:
+            print(f"{prefix}error: {stopped_message(stopped, phase)}", file=sys.stderr, flush=True)
+            return PEER_STOPPED_EXIT_CODE
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        print(f"{prefix}error: terminated by {name}{during}", file=sys.stderr, flush=True)
+        return 128 - code
+    return code
+
+
+if __name__ == "__main__" and SUPERVISOR_ENV not in os.environ and "--no_supervisor" not in sys.argv[1:]:
+    sys.exit(supervise(sys.argv[1:]))
+
+from tutel_jax.cli_args import (ensure_host_device_count, finite_float, int_at_least, non_negative_float,  # noqa: E402
+                                positive_float, set_host_device_count)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit with status 3 when a step takes longer than this (seconds; 0 = never; default 120)")
     group.add_argument("--fail_at_step", type=int_at_least(0), default=None,
                        help="testing: os._exit(1) at the start of this step")
+    group.add_argument("--no_supervisor", action="store_true",
+                       help="run in this process, without the parent that reports a process killed by JAX")
     model = parser.add_argument_group("model and training")
     model.add_argument("--num_steps", type=int_at_least(1), default=10)
     model.add_argument("--batch_per_device", type=int_at_least(1), default=2, help="samples per device (default 2)")
@@ -159,6 +280,7 @@ if __name__ == "__main__":
     ARGS = parse_args()
     set_local_device_count(ARGS.local_devices)
 
+import contextlib  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -170,6 +292,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params  # noqa: E402
+from tutel_jax.parallel.failures import (PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers,  # noqa: E402
+                                         stopped_message)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -192,15 +316,83 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     )
 
 
+class SupervisorLink:
+    """This process's end of `supervise`'s pipes; does nothing when the script runs without the supervisor.
+
+    `send(key, value)` writes one "key value" line to the parent (process, coordinator, phase, exit). A
+    daemon thread waits on the lifeline pipe and exits this process when the parent is gone.
+    """
+
+    def __init__(self, spec: str | None):
+        self._status_fd: int | None = None
+        if not spec:
+            return
+        status_fd, lifeline_fd = (int(fd) for fd in spec.split(","))
+        self._status_fd = status_fd
+        threading.Thread(target=self._watch_parent, args=(lifeline_fd,), name="supervisor-lifeline",
+                         daemon=True).start()
+
+    def send(self, key: str, value: object = "") -> None:
+        if self._status_fd is not None:
+            try:
+                os.write(self._status_fd, f"{key} {value}\n".encode())  # one short write: atomic on a pipe
+            except OSError:  # the parent is gone; the lifeline thread ends this process
+                pass
+
+    @staticmethod
+    def _watch_parent(fd: int) -> None:
+        try:
+            os.read(fd, 1)  # b"" once the parent has exited: it holds the only write end
+        except OSError:
+            pass
+        os._exit(1)  # (nothing to print: our stderr was the parent's pipe)
+
+
+def stop(link: SupervisorLink, code: int, message: str) -> None:
+    """Prints `[process I] error: MESSAGE`, tells the supervisor the exit status and exits at once.
+
+    (Printed first: if JAX terminates this process in between, the supervisor still has a report to make.)
+    """
+    print(f"[process {jax.process_index()}] error: {message}", file=sys.stderr, flush=True)
+    link.send("exit", code)
+    os._exit(code)
+
+
+def stop_if_a_process_stopped(link: SupervisorLink, phase: str, wait: float) -> None:
+    """After `phase` failed, exits with status 4 and one clear line when another process of the job stopped.
+
+    A collective whose peer died fails with whatever the broken connection gives (gloo: "Connection closed
+    by peer", "... Is there a distributed collective mismatch?"). Process 0 is checked at once: does it still
+    accept connections? For the others, the coordination service is asked which processes are alive. When
+    all processes fail together, they all learn at once that nobody stopped, and this function returns: the
+    caller raises the original error. If a process is missing, JAX declares it dead within the heartbeat
+    timeout and terminates this process itself; the supervisor then names it. If the library cannot tell,
+    this waits up to `wait` seconds, which leaves JAX's failure detection the time to act, then returns.
+    """
+    if not jax.distributed.is_initialized():
+        return
+    start = time.monotonic()
+    stopped = dead_peers(timeout=wait)
+    if stopped is None:
+        time.sleep(max(0.0, wait - (time.monotonic() - start)))
+        stopped = dead_peers()  # did the coordinator go meanwhile?
+    if stopped:
+        stop(link, PEER_STOPPED_EXIT_CODE, stopped_message(stopped, phase))
+    if stopped == []:
+        print(f"[process {jax.process_index()}] {phase} failed, and all {jax.process_count()} processes are "
+              "alive: this is not a stopped process", file=sys.stderr, flush=True)
+
+
 class Watchdog:
     """Exits the process (status 3) when the current phase runs longer than `timeout` seconds.
 
     A daemon thread; the main thread blocks in XLA with the GIL released, so the check still runs when a
-    collective waits forever for a dead peer.
+    collective waits forever for a dead peer. `arm` also reports the phase to the supervisor.
     """
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, link: SupervisorLink):
         self.timeout = timeout
+        self._link = link
         self._deadline: float | None = None
         self._what = ""
         self._lock = threading.Lock()
@@ -208,6 +400,7 @@ class Watchdog:
             threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
     def arm(self, what: str) -> None:
+        self._link.send("phase", what)
         with self._lock:
             self._what, self._deadline = what, time.monotonic() + self.timeout
 
@@ -222,9 +415,24 @@ class Watchdog:
                 expired = self._deadline is not None and time.monotonic() > self._deadline
                 what = self._what
             if expired:
-                print(f"[process {jax.process_index()}] error: {what} did not finish within {self.timeout:g} s "
-                      "(another process may have died); exiting", file=sys.stderr, flush=True)
-                os._exit(3)
+                stopped = dead_peers() if jax.distributed.is_initialized() else None
+                if stopped:
+                    stop(self._link, PEER_STOPPED_EXIT_CODE, stopped_message(stopped, what))
+                stop(self._link, 3, f"{what} did not finish within {self.timeout:g} s (another process may "
+                     "have died); exiting")
+
+    @contextlib.contextmanager
+    def phase(self, what: str, wait_on_failure: float = 0.0):
+        """Arms the watchdog for `what`. When `what` fails in a multi-process job, first checks whether
+        another process stopped (`stop_if_a_process_stopped`, waiting up to `wait_on_failure` s)."""
+        self.arm(what)
+        try:
+            yield
+        except Exception:
+            stop_if_a_process_stopped(self._link, what, wait_on_failure)
+            raise
+        finally:
+            self.disarm()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,9 +519,15 @@ def init_optimizer(optimizer: optax.GradientTransformation, params: dict, mesh: 
 # Main
 # ----------------------------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> list[float]:
+    link = SupervisorLink(os.environ.pop(SUPERVISOR_ENV, None))
     initialize_distributed(args)
-    watchdog = Watchdog(args.step_timeout)
+    watchdog = Watchdog(args.step_timeout, link)
     pid, nproc = jax.process_index(), jax.process_count()
+    if jax.distributed.is_initialized():
+        link.send("process", pid)
+        link.send("coordinator", current_coordinator_address() or args.coordinator_address or "")
+    # after a failed step: how long to wait for JAX to declare a stopped process dead (see the docstring)
+    failure_wait = args.heartbeat_timeout + 5.0
 
     devices = jax.devices()  # all processes' devices, ordered by process then local id
     mesh = Mesh(np.array(devices), ("expert",))
@@ -326,13 +540,12 @@ def main(args: argparse.Namespace) -> list[float]:
 
     tokens_sharding = NamedSharding(mesh, P("expert"))
     x_np, target_np = global_data(args, world_size)
-    watchdog.arm("start-up (parameter placement across processes)")
-    x, target = put_global(x_np, tokens_sharding), put_global(target_np, tokens_sharding)
-    params = place_params(params, placement)
-    optimizer = make_optimizer(args)
-    opt_state = init_optimizer(optimizer, params, mesh)
-    train_step = make_train_step(config, placement, optimizer, args)
-    watchdog.disarm()
+    with watchdog.phase("start-up (parameter placement across processes)", failure_wait):
+        x, target = put_global(x_np, tokens_sharding), put_global(target_np, tokens_sharding)
+        params = place_params(params, placement)
+        optimizer = make_optimizer(args)
+        opt_state = init_optimizer(optimizer, params, mesh)
+        train_step = make_train_step(config, placement, optimizer, args)
 
     print(f"[process {pid}/{nproc}] devices: {jax.local_device_count()} local, {world_size} global "
           f"({devices[0].platform}); experts: {config.num_global_experts} ({args.count_per_node} per device); "
@@ -342,21 +555,20 @@ def main(args: argparse.Namespace) -> list[float]:
     losses = []
     for i in range(args.num_steps):
         if args.fail_at_step is not None and i == args.fail_at_step:
+            link.send("exit", 1)
             print(f"[process {pid}] --fail_at_step {i}: exiting abruptly", file=sys.stderr, flush=True)
             os._exit(1)
-        watchdog.arm(f"step {i}")
         t0 = time.perf_counter()
-        params, opt_state, loss, dropped = train_step(params, opt_state, x, target)
-        loss = float(loss)  # replicated: every process reads its own copy
-        dropped = float(dropped)
-        watchdog.disarm()
+        with watchdog.phase(f"step {i}", failure_wait):
+            params, opt_state, loss, dropped = train_step(params, opt_state, x, target)
+            loss = float(loss)  # replicated: every process reads its own copy
+            dropped = float(dropped)
         losses.append(loss)
         print(f"step {i} loss {loss:.9g}  (dropped {dropped:.3f}, {time.perf_counter() - t0:.3f} s)", flush=True)
 
     if jax.distributed.is_initialized():
-        watchdog.arm("shutdown")
-        jax.distributed.shutdown()  # barrier: waits for every process to finish
-        watchdog.disarm()
+        with watchdog.phase("shutdown", failure_wait):
+            jax.distributed.shutdown()  # barrier: waits for every process to finish
     print(f"[process {pid}] done", flush=True)
     return losses
 

@@ -2,9 +2,14 @@
 
 * Two processes (gloo collectives, one global 8-device mesh, experts spread over both processes) produce the
   same losses as one process with 8 devices and the same global configuration.
-* When one process dies abruptly (`--fail_at_step 1`), the other one exits non-zero within a bounded time
-  instead of hanging in a collective: the JAX coordination service's heartbeat timeout (worker died) or the
-  lost connection to the coordinator (process 0 died) terminates it.
+* When one process dies abruptly (`--fail_at_step 1`), the other one exits within a bounded time instead of
+  hanging in a collective, and says which process stopped (`process 1 stopped during step 1`, `process 0 (the
+  coordinator) stopped during step 1`; status 4) instead of gloo's "Is there a distributed collective
+  mismatch?" or JAX's "Terminating process because the JAX distributed service detected fatal errors". JAX
+  terminates it once its heartbeat timeout runs out (worker died) or once the connection to the coordinator
+  fails (process 0 died). The example's supervising parent process, or the failed step itself, names the
+  stopped process.
+* `tutel_jax.parallel.failures`' helpers on JAX's error messages and on the coordinator check, in-process.
 
 Every subprocess runs under a deadline and is killed in a `finally`, so a hang fails the test instead of CI.
 """
@@ -154,7 +159,110 @@ def test_dead_process_does_not_hang(dying: int) -> None:
     assert alive.returncode != 0, _describe(results)
     assert "done" not in alive.output, _describe(results)
     assert len(alive.losses()) <= 1, _describe(results)  # step 1 needs the dead process: it never finishes
+    # the survivor says which process stopped (not only gloo's "collective mismatch" or JAX's abort)
+    stopped = re.compile(rf"^\[process {survivor}\] error: process {dying}( \(the coordinator\))? stopped during "
+                         r"step 1; stopping$", re.MULTILINE)
+    assert stopped.search(alive.output), _describe(results)
+    assert "collective mismatch" not in alive.output or stopped.search(alive.output), _describe(results)
+    assert alive.returncode == 4, _describe(results)  # the example's status for "another process stopped"
+    assert not re.search(r"process \d+( \(the coordinator\))? stopped", dead.output), _describe(results)
     detection_s = alive.exit_time - dead.exit_time
     print(f"process {dying} died; process {survivor} exited with {alive.returncode} {detection_s:.1f} s later "
           f"(wall {wall:.1f} s)")
     assert detection_s < 45, f"the survivor took {detection_s:.1f} s to exit\n" + _describe(results)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tutel_jax.parallel.failures, in this process
+# ----------------------------------------------------------------------------------------------------------
+# what a survivor's stderr holds after JAX 0.10 terminated it (worker 1 died; process 0 hosts the service)
+WORKER_DIED_LOG = """\
+step 0 loss 0.436869949  (dropped 0.225, 4.800 s)
+E1202 01:07:01.411562   20188 coordination_service.cc:1549] [13243617452878297523] Use error polling to propagate \
+the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to \
+debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']
+F1202 01:07:01.412327   20199 client.h:80] Terminating process because the JAX distributed service detected fatal \
+errors. This most likely indicates that another task died; see the other task logs for more details. absl::Status: \
+UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to \
+debug further.
+*** Check failure stack trace: ***
+"""
+# process 0 died: the survivor's gloo collective and its connection to the service fail
+COORDINATOR_DIED_LOG = """\
+F1202 00:50:14.733047    8882 client.h:80] Terminating process because the JAX distributed service detected fatal \
+errors. absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task was \
+preempted/died/restarted unexpectedly or this task is experiencing network issues.
+jax.errors.JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] \
+Received data size doesn't match expected size. Is there a distributed collective mismatch?
+"""
+
+
+def test_stopped_processes_in_log() -> None:
+    from tutel_jax.parallel.failures import stopped_processes_in_log
+
+    assert stopped_processes_in_log(WORKER_DIED_LOG) == [1]
+    assert stopped_processes_in_log(COORDINATOR_DIED_LOG) == []  # the coordinator is checked by connecting
+    several = ("UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
+               "3\n/job:jax_worker/replica:0/task:2\nThe tasks have crashed.")
+    assert stopped_processes_in_log(several) == [2, 3]
+    assert stopped_processes_in_log("Task /job:jax_worker/replica:0/task:5 heartbeat timeout. This indicates") == [5]
+    assert stopped_processes_in_log("step 1 loss 0.5\nall good\n") == []
+
+
+def test_stopped_message() -> None:
+    from tutel_jax.parallel.failures import stopped_message
+
+    assert stopped_message([0], "step 1") == "process 0 (the coordinator) stopped during step 1; stopping"
+    assert stopped_message([3, 1]) == "process 1 and process 3 stopped; stopping"
+    assert stopped_message([2, 0, 1], "shutdown") == (
+        "process 0 (the coordinator), process 1 and process 2 stopped during shutdown; stopping")
+    with pytest.raises(ValueError):
+        stopped_message([])
+
+
+def test_coordinator_check_and_find_stopped_processes() -> None:
+    from tutel_jax.parallel.failures import coordinator_reachable, dead_peers, find_stopped_processes
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        live = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert coordinator_reachable(live)
+        # a survivor whose coordinator is alive: only what the log names
+        assert find_stopped_processes(process_id=1, coordinator_address=live, log_text=COORDINATOR_DIED_LOG) == []
+        assert find_stopped_processes(process_id=0, coordinator_address=live, log_text=WORKER_DIED_LOG) == [1]
+    dead = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    assert not coordinator_reachable(dead)
+    assert find_stopped_processes(process_id=1, coordinator_address=dead, log_text=COORDINATOR_DIED_LOG) == [0]
+    assert find_stopped_processes(process_id=2, coordinator_address=dead, log_text=WORKER_DIED_LOG) == [0, 1]
+    assert find_stopped_processes(process_id=1, coordinator_address=None, log_text=WORKER_DIED_LOG) == []
+    with pytest.raises(ValueError):
+        coordinator_reachable("127.0.0.1")
+    assert dead_peers(timeout=1.0) is None  # not a multi-process job: cannot tell
+
+
+def test_supervisor_names_the_stopped_process(capsys) -> None:
+    """The example's parent process, after JAX killed the child (SIGABRT) without a word from Python."""
+    import importlib.util
+    import signal
+
+    spec = importlib.util.spec_from_file_location("train_distributed_example", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    abort = -signal.SIGABRT
+    dead = f"127.0.0.1:{_free_port()}"
+    status = {"process": "1", "coordinator": dead, "phase": "step 1"}
+    assert example.explain_child_failure(abort, status, COORDINATOR_DIED_LOG) == 4
+    assert capsys.readouterr().err == "[process 1] error: process 0 (the coordinator) stopped during step 1; stopping\n"
+    status = {"process": "0", "coordinator": dead, "phase": "step 1"}
+    assert example.explain_child_failure(abort, status, WORKER_DIED_LOG) == 4
+    assert capsys.readouterr().err == "[process 0] error: process 1 stopped during step 1; stopping\n"
+    # nothing tells of a stopped process: the signal is reported as such
+    assert example.explain_child_failure(abort, {"process": "0", "phase": "step 2"}, "no JAX error here") == 134
+    assert capsys.readouterr().err == "[process 0] error: terminated by SIGABRT during step 2\n"
+    assert example.explain_child_failure(1, {"process": "0"}, "Traceback ...") == 1
+    assert capsys.readouterr().err == ""
