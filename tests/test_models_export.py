@@ -17,7 +17,7 @@ from tutel_jax.checkpoint.safetensors_io import open_checkpoint
 from tutel_jax.models import from_pretrained, save_pretrained
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-FLOAT_CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"]
+FLOAT_CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "olmoe"]
 
 
 @pytest.mark.parametrize("case", FLOAT_CASES)

@@ -20,7 +20,7 @@ from tutel_jax.models.dequant import dequant_fp8_block, dequant_mxfp4, dequant_n
 from tutel_jax.serving import generate, left_align
 
 HF = Path(__file__).parent / "fixtures" / "hf"
-CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"]
+CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "olmoe"]
 QUANT_CASES = ["deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4"]  # kept quantized in memory
 TOL = dict(rtol=1e-4, atol=1e-4)
 _MODELS: dict = {}
@@ -214,3 +214,22 @@ def test_unknown_model_type_and_missing_tensor(tmp_path):
         from_pretrained(tmp_path, tensors=tensors)
     with pytest.raises(ValueError, match="no config.json"):
         from_pretrained(tmp_path / "missing")
+
+
+def test_olmoe_refuses_clip_qkv(tmp_path):
+    shutil.copy(HF / "olmoe" / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((HF / "olmoe" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, clip_qkv=8.0)))
+    with pytest.raises(ValueError, match="clip_qkv=8.0 is not supported"):
+        from_pretrained(tmp_path)
+
+
+def test_one_registered_module_per_family():
+    from tutel_jax.models import FAMILIES
+    from tutel_jax.models.families import family_names, get_family
+    modules = sorted(p.stem for p in (Path(__file__).parents[1] / "tutel_jax" / "models" / "families").glob("*.py")
+                     if p.stem != "__init__")
+    names = [n for n in family_names() if get_family(n).name == n]
+    assert sorted(names) == modules and FAMILIES == family_names()
+    assert get_family("kimi_k2") is get_family("deepseek_v3") and get_family("llama") is None
+    assert all((HF / n / "expected.npz").is_file() for n in names)

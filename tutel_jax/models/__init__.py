@@ -1,4 +1,5 @@
-"""HF Mixture-of-Experts decoder families (qwen3_moe, mixtral, deepseek_v3, gpt_oss) on the tutel-jax MoE block.
+"""HF Mixture-of-Experts decoder families on the tutel-jax MoE block: `FAMILIES` (qwen3_moe, qwen2_moe, mixtral,
+deepseek_v3, glm4_moe, gpt_oss, olmoe and aliases), one module each in `models/families/` (see `models.family`).
 
     from tutel_jax.models import from_pretrained
     model = from_pretrained("path/to/hf_checkpoint")   # config.json + safetensors

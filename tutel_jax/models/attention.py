@@ -1,7 +1,8 @@
 """The two attention kinds of the supported families, each with an optional static KV cache.
 
-`gqa_attention`: Qwen3-MoE (q/k RMSNorm), Qwen2-MoE (q/k/v biases), Mixtral, GPT-OSS (q/k/v/o biases, sinks,
-sliding window), GLM-4 MoE (q/k/v biases, optional q/k RMSNorm, partial rotary).
+`gqa_attention`: grouped-query attention with the options of `DecoderSpec` (set per family, `models.families`):
+q/k RMSNorm per head or over the whole projection, q/k/v or q/k/v/o biases, sinks, sliding windows, partial
+rotary.
 `mla_attention`: DeepSeek-V3 multi-head latent attention (q LoRA, compressed kv, rope/nope split); the cache
 holds the decompressed per-head keys and values (simple, not the compressed latent).
 A layer's cache is {'k': [B, Hkv, L, Dk], 'v': [B, Hkv, L, Dv]} (heads-major) or None (no cache: L = T).
@@ -48,7 +49,8 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int | None) 
 def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
                   spec: DecoderSpec, layer: int, cache: dict | None = None):
     """x [B, T, M] -> ([B, T, M], new cache). p (see `param_layout`): qkv_proj (fused kernel) [+ qkv_bias], or
-    q/k/v_proj [+ q/k/v_bias] (quantized); o_proj [+ o_bias]; q_norm / k_norm [D]; sinks [Hq]."""
+    q/k/v_proj [+ q/k/v_bias] (quantized); o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or
+    [Hq*D] / [Hkv*D] ('projection'); sinks [Hq]."""
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     if "qkv_proj" in p:
@@ -56,8 +58,10 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
         q, k, v = jnp.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
     else:
         q, k, v = (linear(x, p[f"{n}_proj"], p.get(f"{n}_bias")) for n in "qkv")
+    if spec.qk_norm == "projection":  # OLMoE: over the whole q / k projection, before the split into heads
+        q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
-    if "q_norm" in p:
+    if spec.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
     k, v, cache = _with_cache(k, v, cache, ctx)

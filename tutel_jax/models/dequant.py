@@ -1,7 +1,7 @@
 """Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant.py).
 
 `DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names,
-so the float loaders (`hf_tables`, `checkpoint.hf_moe`) read quantized checkpoints unchanged;
+so the float loaders (`hf_tables`, `moe_block`) read quantized checkpoints unchanged;
 `QuantizedTensors(tensors, config)` shows the same names as quantized containers:
 
   FP8 block (DeepSeek)    X.weight e4m3 [out, in] + X.weight_scale_inv f32 [ceil(out/b), ceil(in/b)]
@@ -32,7 +32,7 @@ E2M1_LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, 
 
 def _is_float(dtype: np.dtype) -> bool:
     """NumPy floats and ml_dtypes floats (bfloat16, float8_*), whose dtype kind is not 'f'."""
-    return dtype.kind == "f" or dtype.name == "bfloat16" or dtype.name.startswith("float8")
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16" or dtype.name.startswith("float8")
 
 
 def is_quantized(config: Mapping[str, Any]) -> bool:
@@ -148,17 +148,17 @@ class _QuantizedCheckpointView(Mapping):
             if name not in self:
                 raise KeyError(name)
             return self._plain(np.asarray(self._t[name]))
-        kind, parts = rule
+        fmt, parts = rule
         arrays = [np.asarray(self._t[p]) for p in parts]  # read errors (e.g. non-finite) pass through as they are
         try:
-            return self._convert(kind, arrays)
+            return self._convert(fmt, arrays)
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
 
     def _plain(self, a: np.ndarray) -> np.ndarray:
         return a
 
-    def _convert(self, kind: str, parts: list[np.ndarray]) -> Any:
+    def _convert(self, fmt: str, parts: list[np.ndarray]) -> Any:
         raise NotImplementedError
 
 
@@ -169,12 +169,12 @@ class DequantizedTensors(_QuantizedCheckpointView):
     def _plain(self, a):
         return a.astype(np.float32) if _is_float(a.dtype) else a
 
-    def _convert(self, kind, a):
-        if kind == "fp8":
+    def _convert(self, fmt, a):
+        if fmt == "fp8":
             return dequant_fp8_block(a[0], a[1], self._block)
-        if kind == "mxfp4":
+        if fmt == "mxfp4":
             return np.swapaxes(dequant_mxfp4(a[0], a[1]), -1, -2).copy()  # [E, out, in] -> [E, in, out]
-        return dequant_nvfp4(a[0], a[1], a[2], global_multiplies=kind == "nvfp4_modelopt")
+        return dequant_nvfp4(a[0], a[1], a[2], global_multiplies=fmt == "nvfp4_modelopt")
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -187,16 +187,16 @@ class QuantizedTensors(_QuantizedCheckpointView):
     checkpoint's own layout (FP8 / NVFP4 [out, in]; MXFP4 [E, out, in]); shapes are validated here. Other
     tensors are returned as stored. FP8 needs 128 x 128 blocks (`fp8_block_supported`)."""
 
-    def _convert(self, kind, a):
+    def _convert(self, fmt, a):
         from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-        if kind == "fp8":
+        if fmt == "fp8":
             w, s = a
             _expect(w.dtype.name == "float8_e4m3fn", f"FP8 weight must be float8_e4m3fn, got {w.dtype}")
             want = w.shape[:-2] + tuple(-(-d // 128) for d in w.shape[-2:])
             _expect(s.shape == want, f"weight_scale_inv shape {s.shape} does not fit weight {w.shape} in "
                                      "128x128 blocks")
             return Fp8BlockWeight(w, s.astype(np.float32))
-        if kind == "mxfp4":
+        if fmt == "mxfp4":
             blocks, scales = a
             _expect(blocks.dtype == np.uint8 and scales.dtype == np.uint8, "MXFP4 blocks/scales must be uint8")
             _expect(blocks.ndim >= 3 and blocks.shape[-1] == 16 and scales.shape == blocks.shape[:-1],
@@ -209,7 +209,7 @@ class QuantizedTensors(_QuantizedCheckpointView):
                 f"NVFP4 weight_scale shape {scale.shape} does not fit weight_packed {packed.shape} "
                 "(one scale per 16 values)")
         _expect(gscale.size == 1, f"NVFP4 weight_global_scale must hold one value, got shape {gscale.shape}")
-        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1), kind == "nvfp4_modelopt")
+        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1), fmt == "nvfp4_modelopt")
 
     def fp8_block_supported(self) -> bool:
         return self._block == (128, 128)

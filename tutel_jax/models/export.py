@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from .. import quant_weights
-from ..checkpoint.hf_moe import hf_moe_block_tensors
-from .hf_tables import _mlp_prefix, attention_table
+from .hf_tables import attention_table, mlp_prefix
+from .moe_block import hf_moe_block_tensors
 from .param_layout import to_disk, unkernel
 
 __all__ = ["hf_tensors", "save_pretrained"]
@@ -46,7 +46,7 @@ def hf_tensors(model: Any) -> dict[str, np.ndarray]:
         if "moe" in lp:
             out.update(hf_moe_block_tensors(lp["moe"], model.config, i))
         else:
-            out.update({f"{p}{_mlp_prefix(spec)}{k}.weight": unkernel(v) for k, v in lp["mlp"].items()})
+            out.update({f"{p}{mlp_prefix(spec)}{k}.weight": unkernel(v) for k, v in lp["mlp"].items()})
     return out
 
 

@@ -2,9 +2,11 @@
 
 Layer parameters (`{i}` is the layer index in the on-disk names):
   attention   'attn': {q_proj, k_proj, v_proj, o_proj, [q_bias, k_bias, v_bias, o_bias], [q_norm, k_norm], [sinks]}
+              (which of them: the family's `DecoderSpec` options, `models.families`)
               or MLA {q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}
   norms       input_layernorm, post_attention_layernorm  [M]
-  ffn         'moe': the tutel-jax MoE block params (`checkpoint.hf_moe.hf_moe_block`), or 'mlp': dense SwiGLU
+  ffn         'moe': the tutel-jax MoE block params (`moe_block.hf_moe_block`), or 'mlp': dense SwiGLU
+              `{gate,up,down}_proj` under the family's FFN prefix
 Float linear weights are held as kernels [in, out] and GQA q/k/v as one fused kernel (`param_layout`); the
 per-tensor transform is that, then a cast to the model dtype (quantized weights stay packed: `quant_weights`
 containers with the on-disk [out, in] layout).
@@ -19,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import quant_weights
-from ..checkpoint.hf_moe import hf_moe_block
+from .families import get_family
+from .moe_block import hf_moe_block
 from .param_layout import kernel, to_memory
 from .spec import DecoderSpec
 
-__all__ = ["attention_table", "load_params"]
+__all__ = ["attention_table", "mlp_prefix", "load_params"]
 
 Table = dict[str, str]
 
@@ -45,8 +48,9 @@ def attention_table(spec: DecoderSpec) -> Table:
     return t
 
 
-def _mlp_prefix(spec: DecoderSpec) -> str:
-    return "block_sparse_moe." if spec.model_type == "mixtral" else "mlp."
+def mlp_prefix(spec: DecoderSpec) -> str:
+    """The FFN module under `model.layers.{i}.` (the family's `ffn_prefix`: 'mlp.', Mixtral 'block_sparse_moe.')."""
+    return get_family(spec.model_type).ffn_prefix
 
 
 def expected_shapes(spec: DecoderSpec, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -65,6 +69,8 @@ def expected_shapes(spec: DecoderSpec, config: Mapping[str, Any]) -> dict[str, t
         attn = {"q_proj": (H * D, M), "k_proj": (Hkv * D, M), "v_proj": (Hkv * D, M), "o_proj": (M, H * D),
                 "q_bias": (H * D,), "k_bias": (Hkv * D,), "v_bias": (Hkv * D,), "o_bias": (M,),
                 "q_norm": (D,), "k_norm": (D,), "sinks": (H,)}
+        if spec.qk_norm == "projection":  # over the whole q / k projection (OLMoE)
+            attn.update(q_norm=(H * D,), k_norm=(Hkv * D,))
     out = {f"attn.{k}": v for k, v in attn.items()}
     inter = int(config.get("intermediate_size") or 0)
     out.update({"input_layernorm": (M,), "post_attention_layernorm": (M,), "mlp.gate_proj": (inter, M),
@@ -117,7 +123,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
                                                     dtype=jnp.dtype(dtype).name, place=place, **(moe_options or {}))
             moe_configs.append(moe_config)
         else:
-            mp = p + _mlp_prefix(spec)
+            mp = p + mlp_prefix(spec)
             layer["mlp"] = {k: cast(kernel(_read(tensors, f"{mp}{k}.weight", shapes[f"mlp.{k}"])))
                             for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)

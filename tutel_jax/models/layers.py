@@ -45,13 +45,13 @@ def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
 def rope_inv_freq(rope: Mapping[str, Any], dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
     """(inv_freq [dim/2] float32, attention_factor) of an HF `rope_parameters` dict ('default' or 'yarn')."""
     base = float(rope.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     pos_freqs = np.power(np.float32(base), exps, dtype=np.float32)
-    if kind == "default":
+    if rope_type == "default":
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
-    if kind != "yarn":
-        raise ValueError(f"unsupported rope_type {kind!r} (supported: 'default', 'yarn')")
+    if rope_type != "yarn":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: 'default', 'yarn')")
     factor = float(rope["factor"])
     original = rope.get("original_max_position_embeddings")
     if original:

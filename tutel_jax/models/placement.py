@@ -23,7 +23,7 @@ __all__ = ["MeshPlacement"]
 
 def _host(value: Any, dtype: Any) -> np.ndarray:
     a = np.asarray(value)
-    return a.astype(dtype) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
+    return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16" else a
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""DeepSeek-V3 (`model_type: deepseek_v3`; also `kimi_k2`, which ships the same architecture).
+
+Attention: multi-head latent attention (q LoRA or a plain q_proj, compressed kv, RoPE on qk_rope_head_dim;
+softmax scale times YaRN's mscale(factor, mscale_all_dim)^2). MoE from layer first_k_dense_replace on:
+`mlp.gate.weight` [E, H] (+ `mlp.gate.e_score_correction_bias` [E] when present), sigmoid scores, group-limited
+top-k (n_group, topk_group; dropped groups masked with 0), renormalised when norm_topk_prob (default True), times
+routed_scaling_factor; per-expert SwiGLU `mlp.experts.{e}.{gate,up,down}_proj`; n_shared_experts ungated shared
+experts `mlp.shared_experts.{gate,up,down}_proj` of width moe_intermediate_size x n_shared_experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..family import Family, SharedExperts, moe_hidden_size, register_family
+
+__all__ = ["DEEPSEEK_V3", "dense_prefix_layers", "grouped_sigmoid_router", "shared_experts", "CORRECTION_BIAS"]
+
+#: the optional router tensor (gate parameter -> on-disk name under `mlp.`)
+CORRECTION_BIAS = {"e_score_correction_bias": "gate.e_score_correction_bias"}
+
+
+def dense_prefix_layers(config) -> list[int]:
+    """HF: every layer from first_k_dense_replace on is MoE."""
+    first = int(config.get("first_k_dense_replace", 0))
+    return [i for i in range(int(config["num_hidden_layers"])) if i >= first]
+
+
+def grouped_sigmoid_router(config, found) -> dict:
+    """Sigmoid scores (+ the correction bias for the choice), group-limited top-k, routed_scaling_factor."""
+    return {"type": "deepseek_v3", "n_group": int(config.get("n_group") or 1),
+            "topk_group": int(config.get("topk_group") or 1),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+            "correction_bias": "e_score_correction_bias" in found}
+
+
+def shared_experts(config) -> SharedExperts | None:
+    """n_shared_experts ungated shared experts as one SwiGLU of n times the routed width."""
+    n = int(config.get("n_shared_experts") or 0)
+    return SharedExperts("shared_experts.", moe_hidden_size(config) * n) if n else None
+
+
+def _mla(config, rope) -> dict:
+    nope, rdim = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    scale = (nope + rdim) ** -0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        ms = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= ms * ms
+    return dict(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=int(config["kv_lora_rank"]), qk_nope_dim=nope,
+                qk_rope_dim=rdim, v_dim=int(config["v_head_dim"]),
+                rope_interleave=bool(config.get("rope_interleave", True)), softmax_scale=scale)
+
+
+DEEPSEEK_V3 = register_family(Family(name="deepseek_v3", aliases=("kimi_k2",), router=grouped_sigmoid_router,
+                                     optional_router_tensors=CORRECTION_BIAS, moe_layers=dense_prefix_layers,
+                                     shared_experts=shared_experts, mla=_mla))
