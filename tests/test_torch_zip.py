@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint import torch_zip
+from tutel_jax.checkpoint import torch_zip, torch_zip_write
 from tutel_jax.checkpoint.torch_zip import (
     CheckpointFormatError,
     UnsafeCheckpointError,
@@ -332,14 +332,14 @@ def test_failed_write_keeps_previous_file_and_leaves_no_temp(tmp_path: Path, mon
     save_torch_file(path, {"old": np.arange(4)})
     before = path.read_bytes()
 
-    real_write = torch_zip._write_aligned
+    real_write = torch_zip_write._write_aligned
 
     def failing_write(zf: Any, fh: Any, name: str, data: Any) -> None:
         if name.endswith("/data/1"):
             raise OSError("disk full (simulated)")
         real_write(zf, fh, name, data)
 
-    monkeypatch.setattr(torch_zip, "_write_aligned", failing_write)
+    monkeypatch.setattr(torch_zip_write, "_write_aligned", failing_write)
     with pytest.raises(OSError, match="simulated"):
         save_torch_file(path, {"new0": np.ones(3), "new1": np.ones(3)})
 
@@ -352,7 +352,7 @@ def test_failed_rename_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
     def failing_replace(src: Any, dst: Any) -> None:
         raise OSError("rename failed (simulated)")
 
-    monkeypatch.setattr(torch_zip.os, "replace", failing_replace)
+    monkeypatch.setattr(torch_zip_write.os, "replace", failing_replace)
     with pytest.raises(OSError, match="simulated"):
         save_torch_file(tmp_path / "ckpt.pt", {"a": np.ones(3)})
     assert list(tmp_path.iterdir()) == []
