@@ -58,8 +58,18 @@ def test_auto_picks_loop_for_few_assignments_on_cpu():
     assert dropless.resolve_impl("auto", config.experts, num_assignments=513, num_experts=16) == "bucketed"
     ffn = make_config({"type": "top", "k": 1}, 8, {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8})
     assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "loop"
+    assert dropless.resolve_impl("gather", ffn.experts) == "gather"  # every built-in type has gathered()
+
+    class BatchedOnly:  # the minimal custom-expert protocol: no gathered()
+        def init(self, key, model_dim, num_experts, dtype):
+            return {}
+
+        def batched(self, params, x):
+            return x
+
+    minimal = make_config({"type": "top", "k": 1}, 8, BatchedOnly())
     with pytest.raises(ValueError, match="gathered"):
-        dropless.resolve_impl("gather", ffn.experts)
+        dropless.resolve_impl("gather", minimal.experts)
     with pytest.raises(ValueError, match="dropless_impl"):
         make_config({"type": "top", "k": 1}, 8, EXPERTS["swiglu"], dropless_impl="dense")
 
@@ -143,7 +153,7 @@ def test_loop_runs_only_the_used_experts():
 def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):
     """Identical tokens all pick the same experts (count S > the 4x-balanced top bucket): on CPU the ladder
     reaches S for a small [E, S, M] buffer instead of falling back to ragged_dot; same result as ragged."""
-    import tutel_jax.layer as layer
+    import tutel_jax.expert_paths as expert_paths
 
     assert dropless.extend_for_cpu((4, 8), 40, 16, 256) == (4, 8, 16, 40)
     assert dropless.extend_for_cpu((4, 8), 40, 16, dropless.CPU_FULL_BUFFER_BYTES) == (4, 8)  # too big
@@ -155,6 +165,6 @@ def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):
     def no_ragged(*args):
         raise AssertionError("the ragged fallback ran")
 
-    monkeypatch.setattr(layer, "_run_ragged", no_ragged)
+    monkeypatch.setattr(expert_paths, "_run_ragged", no_ragged)
     got = np.asarray(moe_apply(params, x, config, capacity_factor=0.0)[0])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

@@ -144,3 +144,173 @@ def test_fp32_gate_with_bfloat16_layer():
 def test_top_gate_init_bound():
     w = TopGate().init(jax.random.key(0), 64, 8, jnp.float32)["wg"]["weight"]
     assert w.shape == (8, 64) and float(jnp.abs(w).max()) <= 1 / 8
+
+
+# -- the gate protocol: one routing pipeline, legacy custom gates through `GateAdapter` ---------------------------
+
+def _bits(tree):
+    return [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(tree)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LegacyTop:
+    """A custom gate written against the original protocol only (k, capacity_factor, gate_noise, init, logits):
+    Tutel's top gate, computed by `TopGate`."""
+    k: int = 2
+    capacity_factor: float = 1.0
+    gate_noise: float = 0.0
+    tag = "legacy"  # a plain attribute of the custom gate
+
+    def init(self, key, model_dim, num_experts, dtype):
+        return TopGate().init(key, model_dim, num_experts, dtype)
+
+    def logits(self, params, x):
+        return TopGate().logits(params, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LegacyRouter(_LegacyTop):
+    """A duck-typed router (no base class): select, jitter, aux_loss and z_loss_weight, as Mixtral's."""
+    jitter: float = 0.0
+    aux_loss: str = "switch"
+    z_loss_weight: float = 0.0
+    capacity_factor: float = 0.0
+
+    def init(self, key, model_dim, num_experts, dtype):
+        from tutel_jax.routing.routers import MixtralRouter
+        return MixtralRouter().init(key, model_dim, num_experts, dtype)
+
+    def logits(self, params, x):
+        from tutel_jax.routing.routers import MixtralRouter
+        return MixtralRouter().logits(params, x)
+
+    def select(self, params, logits, k):
+        from tutel_jax.routing.routers import softmax_topk
+        return softmax_topk(logits, k, True)
+
+
+def test_gate_selection_is_declared_not_probed():
+    from tutel_jax.routing import Gate, GateAdapter, as_gate, make_gate
+    from tutel_jax.routing.gates import PLAN, SELECT, TUTEL
+    from tutel_jax.routing.routers import ExpertChoiceRouter, MixtralRouter
+    assert TopGate().selection == CosineTopGate().selection == TUTEL
+    assert MixtralRouter().selection == SELECT and ExpertChoiceRouter().selection == PLAN
+    for gate in (TopGate(), MixtralRouter(), ExpertChoiceRouter()):
+        assert make_gate(gate) is gate and as_gate(gate) is gate
+
+    @dataclasses.dataclass(frozen=True)
+    class NewStyle(Gate):  # a subclass: defaults for everything but its own members; `select` makes it a router
+        k: int = 1
+        capacity_factor: float = 1.0
+
+        def init(self, key, model_dim, num_experts, dtype):
+            return {}
+
+        def logits(self, params, x):
+            return x[:, :E]
+
+        def select(self, params, logits, k):
+            return MixtralRouter().select(params, logits, k)
+
+    gate = NewStyle()
+    assert gate.selection == SELECT and gate.jitter == 0.0 and gate.gate_noise == 0.0
+    assert gate.kernel_gating({}, 1, E) is None and gate.aux_loss is None and gate.z_loss_weight == 0.0
+    legacy = make_gate(_LegacyTop())
+    assert isinstance(legacy, GateAdapter) and isinstance(legacy, Gate) and legacy.selection == TUTEL
+    assert (legacy.k, legacy.capacity_factor, legacy.gate_noise, legacy.jitter) == (2, 1.0, 0.0, 0.0)
+    assert make_gate(legacy) is legacy and legacy == make_gate(_LegacyTop()) and hash(legacy) == hash(make_gate(_LegacyTop()))
+    router = make_gate(_LegacyRouter(jitter=0.25))
+    assert router.selection == SELECT and router.jitter == 0.25 and router.aux_loss == "switch"
+    assert router.kernel_gating({}, 2, E) is None  # the wrapped gate has none
+    assert router.needs_rng and not legacy.needs_rng and make_gate({"type": "top", "gate_noise": 1.0}).needs_rng
+    with pytest.raises(ValueError, match="must be a dict"):
+        make_gate(object())
+
+
+def test_legacy_gate_adapter_fields_follow_dataclasses_replace():
+    from tutel_jax.reconfigure import with_gate_defaults
+    config = make_config(_LegacyTop(), M, EXPERTS)
+    replaced = with_gate_defaults(config, 1, 0.5).gates[0]
+    assert (replaced.k, replaced.capacity_factor) == (1, 0.5)
+    assert replaced.gate == _LegacyTop(k=1, capacity_factor=0.5)  # the wrapped dataclass gate follows
+    assert replaced.tag == "legacy"  # other attributes read through to the wrapped gate
+    assert dataclasses.replace(config.gates[0], gate_noise=2.0).gate.gate_noise == 2.0
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("is_gshard_loss", [True, False])
+def test_legacy_custom_gate_routes_exactly_like_the_builtin(train, is_gshard_loss):
+    """A custom gate on the original 2-method protocol is routed like Tutel's top gate, bit for bit (noise,
+    normalize_gate, both losses), and reports the same (empty) losses."""
+    kw = dict(is_gshard_loss=is_gshard_loss, normalize_gate=False, batch_prioritized_routing=True)
+    builtin = make_config({"type": "top", "k": 2, "gate_noise": 1.0}, M, EXPERTS, **kw)
+    legacy = make_config(_LegacyTop(k=2, gate_noise=1.0), M, EXPERTS, **kw)
+    params = init_params(builtin, jax.random.key(0))
+    x = jnp.asarray(_x(32, 4))
+    rng = jax.random.key(2) if train else None
+    a = route(params["gates"][0], x, builtin, rng=rng, deterministic=not train, return_losses=True)
+    b = route(params["gates"][0], x, legacy, rng=rng, deterministic=not train, return_losses=True)
+    assert a[2] == b[2] == {}
+    assert _bits(a) == _bits(b)
+    ya, auxa = moe_apply(params, x, builtin, rng=rng, deterministic=not train)
+    yb, auxb = moe_apply(params, x, legacy, rng=rng, deterministic=not train)
+    assert _bits((ya, auxa)) == _bits((yb, auxb))
+
+
+def test_legacy_duck_router_routes_exactly_like_mixtral():
+    spec = dict(k=2, gate_noise=1.0, jitter=0.2, aux_loss="gshard", z_loss_weight=0.01)
+    builtin = make_config({"type": "mixtral", **spec}, M, EXPERTS)
+    legacy = make_config(_LegacyRouter(**spec), M, EXPERTS)
+    params = init_params(builtin, jax.random.key(0))
+    x = jnp.asarray(_x(32, 5))
+    fn = lambda c: jax.jit(lambda g, x, r: route(g, x, c, rng=r, deterministic=False, return_losses=True))
+    a = fn(builtin)(params["gates"][0], x, jax.random.key(3))
+    b = fn(legacy)(params["gates"][0], x, jax.random.key(3))
+    assert sorted(a[2]) == sorted(b[2]) == ["gshard", "seq_aux", "switch", "z_loss"]
+    assert _bits(a) == _bits(b)
+
+
+def test_zero_losses_keys_match_the_routed_losses():
+    from tutel_jax.routing import zero_losses
+    x = jnp.asarray(_x(16, 6))
+    specs = [{"type": "top", "k": 2}, {"type": "cosine_top", "k": 1, "proj_dim": 8}, _LegacyTop(),
+             {"type": "qwen3_moe", "k": 2}, {"type": "deepseek_v3", "k": 2}, {"type": "gpt_oss", "k": 2},
+             {"type": "expert_choice"}, _LegacyRouter()]
+    expected = [(), (), (), ("gshard", "seq_aux", "switch", "z_loss"), ("gshard", "seq_aux", "switch", "z_loss"),
+                ("gshard", "seq_aux", "switch", "z_loss"), ("z_loss",), ("gshard", "seq_aux", "switch", "z_loss")]
+    for spec, names in zip(specs, expected):
+        config = make_config(spec, M, EXPERTS)
+        params = init_params(config, jax.random.key(0))
+        _, _, losses = route(params["gates"][0], x, config, return_losses=True)
+        assert tuple(sorted(losses)) == tuple(sorted(zero_losses(config.gates[0]))) == names, spec
+        _, aux = moe_apply(params, jnp.zeros((0, M)), config)
+        assert tuple(sorted(aux.losses)) == names
+
+
+def test_legacy_expert_choice_gate_keeps_its_fixed_capacity_check():
+    from tutel_jax.routing.routers import ExpertChoiceRouter
+
+    @dataclasses.dataclass(frozen=True)
+    class LegacyExpertChoice:  # duck-typed: `plan` makes it an expert-choice gate
+        k: int = 1
+        capacity_factor: float = 2.0
+        gate_noise: float = 0.0
+
+        def init(self, key, model_dim, num_experts, dtype):
+            return ExpertChoiceRouter().init(key, model_dim, num_experts, dtype)
+
+        def logits(self, params, x):
+            return ExpertChoiceRouter().logits(params, x)
+
+        def plan(self, params, logits, capacity_factor, **kw):
+            return ExpertChoiceRouter().plan(params, logits, capacity_factor, **kw)
+
+    legacy = make_config(LegacyExpertChoice(), M, EXPERTS)
+    builtin = make_config({"type": "expert_choice"}, M, EXPERTS)
+    params = init_params(builtin, jax.random.key(0))
+    x = jnp.asarray(_x(24, 7))
+    a = route(params["gates"][0], x, builtin, return_losses=True)
+    b = route(params["gates"][0], x, legacy, return_losses=True)
+    assert _bits(a) == _bits(b)
+    with pytest.raises(ValueError, match="fixed capacity"):
+        moe_apply(params, x, legacy, capacity_factor=0.0)

@@ -216,3 +216,28 @@ def test_subclass_with_its_own_select_is_not_described():
     params = {"weight": jnp.zeros((E, M))}
     assert MixtralRouter().kernel_gating(params, 2, E) == {"score_fn": "softmax", "normalize": True}
     assert Reversed().kernel_gating(params, 2, E) is None
+
+
+def test_tutel_gates_and_routers_share_one_kernel_helper(monkeypatch, gating_calls):
+    """The fused gating kernel is called from one place (`routing.pipeline.kernel_choices`) for Tutel's gates and
+    the routers alike; Tutel's top gate gets the plain path's plan and weights through it."""
+    from tutel_jax.routing import pipeline
+    used = []
+    real = pipeline.kernel_choices
+
+    def counting(*args, **kwargs):
+        used.append(kwargs["batch_prioritized_routing"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "kernel_choices", counting)
+    x = jax.random.normal(jax.random.key(1), (S, M))
+    top = dict(gate_type={"type": "top", "k": 2, "capacity_factor": 0.5}, model_dim=M, experts=EXPERTS,
+               batch_prioritized_routing=True)
+    top_configs = make_config(**top), make_config(**top, kernel_backend="interpret")
+    for plain, kernel, params in ((*top_configs, init_params(top_configs[0], jax.random.key(0))),
+                                  _build(ROUTERS["mixtral"])):
+        p0, l0 = route(params["gates"][0], x, plain)
+        p1, l1 = route(params["gates"][0], x, kernel)
+        _assert_same_plan(p1, p0)
+        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6, atol=1e-7)
+    assert used == [True, False] and gating_calls == ["interpret", "interpret"]

@@ -177,7 +177,7 @@ def test_generate_command_with_native_experts(capsys):
 @pytest.mark.parametrize("experts, match", [
     ({"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8}, "got FFNExperts"),
     ({"type": "swiglu", "count_per_node": 4, "hidden_size_per_expert": 32, "weight_format": "mxfp4"},
-     "got QuantSwiGLUExperts"),
+     "got SwiGLUExperts with weight_format='mxfp4'"),
     ({"type": "swiglu", "count_per_node": 4, "hidden_size_per_expert": 8, "activation_fn": "gelu"}, "with "),
 ])
 def test_unsupported_experts_fail_at_config_time(experts, match):

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
-from .dropless import IMPLS, check_native
-from .experts import Experts, make_experts
+from .dropless import impl_names, resolve_impl
+from .experts import Experts, as_experts, make_experts
 from .routing.gates import Gate, make_gate
 from .shared_experts import SharedExperts, make_shared_experts
 
@@ -91,7 +91,7 @@ class MoEConfig:
 
     @property
     def output_dim(self) -> int:
-        return getattr(self.experts, "output_dim", None) or self.model_dim
+        return self.experts.output_dim or self.model_dim
 
     def gate(self, gate_index: int) -> Gate:
         if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
@@ -131,8 +131,9 @@ def make_config(
     """Validates Tutel's `moe_layer` arguments into an MoEConfig.
 
     `experts` is Tutel's dict (`type`, `count_per_node` or `num_experts_per_device`, `hidden_size_per_expert`,
-    `activation_fn`, ...) or an object implementing the `Experts` protocol (then one local expert unless it has
-    a `num_local_experts` attribute). `world_size` is the size of the expert-parallel group.
+    `activation_fn`, ...) or an `experts.Experts` (then one local expert unless its `num_local_experts` says
+    otherwise); an object with only `init` and `batched` (and any of the other members) is wrapped in
+    `experts.AdaptedExperts`. `world_size` is the size of the expert-parallel group.
     The dict may hold `'shared': {'hidden_size': I, 'gate': bool}` for dense shared experts (see `shared_experts`).
     """
     model_dim = _positive_int("model_dim", model_dim)
@@ -151,10 +152,8 @@ def make_config(
         local = spec.get("count_per_node", spec.get("num_experts_per_device", 1))
         expert_net = make_experts(spec)
     else:
-        if not isinstance(experts, Experts):
-            raise ValueError(f"experts must be a dict or an object with init() and batched(), got {type(experts).__name__}")
-        local = getattr(experts, "num_local_experts", 1)
-        expert_net = experts
+        expert_net = as_experts(experts)  # an object of the minimal protocol (init + batched) is wrapped
+        local = expert_net.num_local_experts
     if isinstance(local, bool) or not isinstance(local, int) or local == 0:
         raise ValueError(f"experts['count_per_node'] must be a non-zero integer (n > 0 experts per device, or -s "
                          f"to share one expert over s devices), got {local!r}")
@@ -165,7 +164,7 @@ def make_config(
             raise ValueError(f"experts['count_per_node'] = {local} shares each expert over {-local} devices, which must "
                              f"divide the expert-parallel world size {world_size}")
         num_global = world_size // (-local)
-    hidden = getattr(expert_net, "hidden_size_per_expert", None)
+    hidden = expert_net.hidden_size_per_expert
     if hidden is not None and local < 0 and hidden % (-local) != 0:
         raise ValueError(f"experts['hidden_size_per_expert'] = {hidden} must be divisible by the sharded count {-local}")
 
@@ -179,12 +178,12 @@ def make_config(
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
     if kernel_backend not in (None, "auto", "pallas", "interpret", "xla"):
         raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
-    if kernel_backend is not None and getattr(expert_net, "kernel_backend", kernel_backend) is None:
-        expert_net = dataclasses.replace(expert_net, kernel_backend=kernel_backend)  # grouped matmuls too
-    if dropless_impl not in IMPLS:
-        raise ValueError(f"dropless_impl must be one of {IMPLS}, got {dropless_impl!r}")
-    if dropless_impl == "native":  # fails here, not at the first call: the experts, the backend, the build
-        check_native(expert_net)
+    if kernel_backend is not None and expert_net.kernel_backend is None:
+        expert_net = expert_net.with_kernel_backend(kernel_backend)  # grouped matmuls too
+    if dropless_impl not in impl_names():
+        raise ValueError(f"dropless_impl must be one of {impl_names()}, got {dropless_impl!r}")
+    if dropless_impl != "auto":  # fails here, not at the first call: what the path needs of the experts,
+        resolve_impl(dropless_impl, expert_net)  # and for 'native' the backend and the build
     try:
         dtype = jnp.dtype(dtype)
     except TypeError:

@@ -35,6 +35,7 @@ always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -43,8 +44,8 @@ import jax.numpy as jnp
 
 from .routing.plan import RoutingPlan, align_capacity
 
-__all__ = ["BUCKET_FACTORS", "bucket_capacities", "bucket_index", "run_bucketed", "resolve_impl", "extend_for_cpu",
-           "check_native"]
+__all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native",
+           "extend_for_cpu", "register_dropless_path", "resolve_impl", "run_bucketed"]
 
 BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -105,7 +106,38 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
     return jax.lax.switch(index, branches)
 
 
-IMPLS = ("auto", "ragged", "bucketed", "gather", "loop", "native")
+IMPLS = ("auto", "ragged", "bucketed", "gather", "loop", "native")  # 'auto' and the built-in paths
+
+
+@dataclasses.dataclass(frozen=True)
+class DroplessPath:
+    """One way to run the routed experts of a dropless plan.
+
+    Attributes:
+      name: the `dropless_impl` value that selects it.
+      run: `run(expert_params, x [S, M], plan, config, spread) -> [S, M_out]`; spread: the experts the k*S
+        assignments spread over (E; a device-local plan over n of E experts passes E).
+      requires: the optional experts method it calls (`experts.OPTIONAL_METHODS`, e.g. 'gathered'), or None.
+      check: `check(experts)` raising ValueError when the path cannot run them here, or None.
+    """
+    name: str
+    run: Callable[..., Any]
+    requires: str | None = None
+    check: Callable[[Any], None] | None = None
+
+
+#: the dropless paths by name (the built-in ones are registered by `tutel_jax.expert_paths`)
+DROPLESS_PATHS: dict[str, DroplessPath] = {}
+
+
+def register_dropless_path(path: DroplessPath) -> None:
+    """Adds (or replaces) a dropless path, selected by `dropless_impl=path.name`."""
+    DROPLESS_PATHS[path.name] = path
+
+
+def impl_names() -> tuple[str, ...]:
+    """The valid `dropless_impl` values: 'auto' and every registered path."""
+    return ("auto", *DROPLESS_PATHS) if DROPLESS_PATHS else IMPLS
 
 
 #: on CPU the bucket ladder reaches S (no ragged fallback) while the [E, S, M] buffer stays below this
@@ -139,14 +171,15 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"
-        return "bucketed" if callable(getattr(experts, "grouped", None)) else "ragged"
-    if impl not in IMPLS:
-        raise ValueError(f"dropless_impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "gather" and not callable(getattr(experts, "gathered", None)):
-        raise ValueError(f"dropless_impl='gather' needs experts with a gathered() method; "
-                         f"{type(experts).__name__} has none")
-    if impl == "native":
-        check_native(experts)
+        return "bucketed" if experts.supports("grouped") else "ragged"
+    path = DROPLESS_PATHS.get(impl)
+    if path is None:
+        raise ValueError(f"dropless_impl must be one of {impl_names()}, got {impl!r}")
+    if path.requires is not None and not experts.supports(path.requires):
+        raise ValueError(f"dropless_impl={impl!r} needs experts with a {path.requires}() method; "
+                         f"{experts.type_name} has none")
+    if path.check is not None:
+        path.check(experts)
     return impl
 
 
@@ -157,8 +190,12 @@ def check_native(experts: Any) -> None:
     from .native.moe_swiglu import ensure_registered
     if jax.default_backend() != "cpu":
         raise ValueError(f"dropless_impl='native' is a CPU kernel; the default backend is {jax.default_backend()!r}")
-    if type(experts) is not SwiGLUExperts or experts.activation_fn is not jax.nn.silu:
-        raise ValueError(f"dropless_impl='native' runs unquantized SwiGLU experts with silu; got "
-                         f"{type(experts).__name__}" + (f" with {experts.activation_fn}"
-                                                        if type(experts) is SwiGLUExperts else ""))
+    swiglu = type(experts) is SwiGLUExperts
+    if not swiglu or experts.weight_format is not None or experts.activation_fn is not jax.nn.silu:
+        what = type(experts).__name__
+        if swiglu and experts.weight_format is not None:
+            what += f" with weight_format={experts.weight_format!r}"
+        elif swiglu:
+            what += f" with {experts.activation_fn}"
+        raise ValueError(f"dropless_impl='native' runs unquantized SwiGLU experts with silu; got {what}")
     ensure_registered()

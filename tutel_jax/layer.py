@@ -8,26 +8,23 @@ and per-call switches static.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from . import dispatch
-from . import dropless
-from . import expert_loop
-from . import native
+from .call_options import CallOptions
 from .config import MoEConfig
-from .losses import gshard_loss, load_importance_loss
-from .routing.plan import RoutingPlan, plan_from_choices, top_k_routing
-from .routing.gates import Gate
-from .routing.router_plan import is_router_gate, route_with_router, zero_losses
+from .expert_paths import run_experts_buffered, run_experts_dropless, run_routed_experts
+from .routing.plan import RoutingPlan
+from .routing.gates import PLAN, Gate, as_gate
+from .routing.pipeline import route_tokens, zero_losses
+from .token_group import LOCAL, TokenGroup
 from .validation import check_capacity_factor, check_input
 
-__all__ = ["MoEAux", "init_params", "moe_apply", "run_routed_experts", "route", "apply_shared_experts",
-           "routing_args", "empty_result"]
+__all__ = ["MoEAux", "init_params", "moe_apply", "moe_pipeline", "run_routed_experts", "run_experts_buffered",
+           "run_experts_dropless", "route", "apply_shared_experts", "routing_args", "empty_result"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,50 +106,21 @@ def route(
 ):
     """Gate + routing for tokens x [S, M] -> (RoutingPlan, l_aux); `valid` [S] masks padding tokens out.
 
-    Router gates (with `select` or `plan`: Mixtral, DeepSeek-V3, GPT-OSS, expert choice, ...) go through
-    `routing.router_plan.route_with_router`; Tutel's gates through softmax + `top_k_routing`. With
-    `config.kernel_backend` and no `valid`, the fused gating kernel chooses experts and slots for Tutel's gates
-    and for the router gates it reproduces exactly (see `kernel_gating` on the gates). `seq_len` (tokens
-    per sequence) is used by the sequence-wise loss. With `return_losses` the result is (plan, l_aux, losses).
+    One call of `routing.pipeline.route_tokens` with the config's options, for every gate: Tutel's (softmax
+    top-k, `normalize_gate`, GShard or importance + load loss per `is_gshard_loss`), the routers (`select`:
+    Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS, ...) and expert choice (`plan`). With `config.kernel_backend` and
+    no `valid`, the fused gating kernel chooses experts and slots for Tutel's gates and for the routers it
+    reproduces exactly (see `Gate.kernel_gating`). `seq_len` (tokens per sequence) is used by the sequence-wise
+    loss. With `return_losses` the result is (plan, l_aux, losses).
     """
     gate, k, cf = routing_args(config, gate_index, top_k, capacity_factor)
-    num_experts = config.num_global_experts
-    if is_router_gate(gate):
-        plan, l_aux, losses = route_with_router(
-            gate, gate_params, x, num_experts, top_k=k, capacity_factor=cf, rng=rng, deterministic=deterministic,
-            batch_prioritized_routing=config.batch_prioritized_routing, alignment=alignment, valid=valid,
-            num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, seq_len=seq_len,
-            kernel_backend=config.kernel_backend)
-        return (plan, l_aux, losses) if return_losses else (plan, l_aux)
-
-    logits = gate.logits(gate_params, x)
-    noisy = logits
-    if not deterministic and gate.gate_noise > 0:
-        if rng is None:
-            raise ValueError("gate_noise > 0 in training mode needs an `rng` key (or call with deterministic=True)")
-        noise = jax.random.normal(rng, logits.shape, jnp.float32).astype(logits.dtype)
-        noisy = logits + gate.gate_noise * noise / num_experts
-    scores = jax.nn.softmax(noisy, axis=1)
-
-    if config.kernel_backend is not None and valid is None:
-        plan = _kernel_top_k_routing(scores, noisy, k, cf, config, alignment, num_tokens_for_capacity,
-                                     max_count_reduce)
-    else:
-        plan = top_k_routing(
-            scores, k, cf,
-            batch_prioritized_routing=config.batch_prioritized_routing,
-            normalize_gate=config.normalize_gate,
-            alignment=alignment,
-            valid=valid,
-            num_tokens_for_capacity=num_tokens_for_capacity,
-            max_count_reduce=max_count_reduce,
-        )
-    if config.is_gshard_loss:
-        l_aux = gshard_loss(scores, plan.expert_ids, valid)
-    else:
-        top_logits = jnp.take_along_axis(noisy, plan.expert_ids.T, axis=1)
-        l_aux = load_importance_loss(jax.nn.softmax(logits, axis=1), top_logits, num_experts, gate.gate_noise, valid)
-    return (plan, l_aux, {}) if return_losses else (plan, l_aux)
+    plan, l_aux, losses = route_tokens(
+        gate, gate_params, x, config.num_global_experts, top_k=k, capacity_factor=cf, rng=rng,
+        deterministic=deterministic, normalize_gate=config.normalize_gate, is_gshard_loss=config.is_gshard_loss,
+        batch_prioritized_routing=config.batch_prioritized_routing, alignment=alignment, valid=valid,
+        num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce, seq_len=seq_len,
+        kernel_backend=config.kernel_backend)
+    return (plan, l_aux, losses) if return_losses else (plan, l_aux)
 
 
 def routing_args(config: MoEConfig, gate_index: int = 0, top_k: int | None = None,
@@ -163,12 +131,12 @@ def routing_args(config: MoEConfig, gate_index: int = 0, top_k: int | None = Non
     finite number (`validation.check_capacity_factor`), and cf <= 0 for expert-choice routing (its capacity is
     fixed). Every call checks them, whatever the batch, even one without tokens (`moe_apply` skips routing).
     """
-    gate = config.gate(gate_index)
+    gate = as_gate(config.gate(gate_index))  # a Gate already when the config comes from `make_config`
     k = gate.k if top_k is None else top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
     cf = check_capacity_factor(gate.capacity_factor if capacity_factor is None else capacity_factor)
-    if callable(getattr(gate, "plan", None)) and not cf > 0:
+    if gate.selection == PLAN and not cf > 0:
         raise ValueError(f"expert-choice routing has a fixed capacity: capacity_factor must be > 0, got {cf}")
     return gate, k, cf
 
@@ -191,118 +159,70 @@ def empty_result(x: jax.Array, config: MoEConfig, gate: Gate) -> tuple[jax.Array
     return y, aux
 
 
-def _kernel_top_k_routing(scores, noisy, k, cf, config: MoEConfig, alignment, num_tokens_for_capacity,
-                          max_count_reduce) -> RoutingPlan:
-    """Tutel's top-k routing with the fused gating kernel choosing experts and slots (integer outputs); the
-    combine weights are re-gathered from `scores` so gradients reach the gate as on the plain path."""
-    import pallas_kernels
-    fused = pallas_kernels.gating(jax.lax.stop_gradient(noisy), k, score_fn="softmax",
-                                  normalize=config.normalize_gate,
-                                  batch_prioritized_routing=config.batch_prioritized_routing,
-                                  implementation=config.kernel_backend)
-    ids = fused.expert_ids
-    gates = jnp.take_along_axis(scores, ids.T, axis=1).T  # [k, S]
-    if ids.shape[0] > 1 and config.normalize_gate:
-        gates = gates / jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
-    return plan_from_choices(ids, gates, config.num_global_experts, cf, alignment=alignment,
-                             num_tokens_for_capacity=num_tokens_for_capacity, max_count_reduce=max_count_reduce,
-                             slots=(fused.locations, fused.counts))
+def moe_pipeline(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    call: CallOptions,
+    *,
+    rng: jax.Array | None = None,
+    deterministic: bool = True,
+    valid: jax.Array | None = None,
+    run_experts: Callable | None = None,
+    group: TokenGroup = LOCAL,
+) -> tuple[jax.Array, MoEAux]:
+    """The MoE layer on one device's tokens: the one pipeline every execution runs.
+
+    x [..., M] -> tokens [S, M] -> route (gate, noise, plan, losses; capacity agreed over `group`) ->
+    `run_experts(expert_params, tokens, plan, config) -> [S, M_out]` -> + shared experts -> y [..., M_out] in
+    x's dtype -> `config.result_func`; aux from the plan, reduced over `group`.
+
+    Single device: `group` LOCAL and the default runner `expert_paths.run_routed_experts` (capacity or
+    dropless paths). Expert parallelism (`parallel.expert_parallel`, inside shard_map): the device's
+    TokenGroup and an `ExchangeRunner` (exchange -> local experts -> exchange: 2DH, overlap chunks, sharded
+    experts, dropless exchanges); expert-sliced serving: a runner over this device's slice of the experts.
+    `valid` [...] (x without its last axis) masks padding tokens out of routing and the aux.
+    """
+    gate, _, _ = routing_args(config, call.gate_index, call.top_k, call.capacity_factor)
+    if math.prod(x.shape[:-1]) == 0:
+        return empty_result(x, config, gate)
+    tokens = x.reshape(-1, config.model_dim).astype(config.dtype)
+    mask = None if valid is None else valid.reshape(-1)
+    plan, l_aux, losses = route(
+        params["gates"][call.gate_index], tokens, config,
+        top_k=call.top_k, capacity_factor=call.capacity_factor, gate_index=call.gate_index,
+        rng=group.fold_rng(rng), deterministic=deterministic,
+        alignment=config.sharded_count * call.overlap_degree(config), valid=mask,
+        num_tokens_for_capacity=group.count_for_capacity(tokens.shape[0], mask),
+        max_count_reduce=group.max_count_reduce,
+        seq_len=x.shape[-2] if x.ndim >= 3 else None, return_losses=True,
+    )
+    y = (run_experts or run_routed_experts)(params["experts"], tokens, plan, config)
+    y = apply_shared_experts(params, tokens, y, config)
+    y = y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
+    if config.result_func is not None:
+        y = config.result_func(y)
+    return y, _aux(plan, l_aux, losses, mask, group)
 
 
-def run_experts_dropless(expert_params, x, plan: RoutingPlan, config: MoEConfig, load_experts: int | None = None
-                         ) -> jax.Array:
-    """Dropless path: permute -> grouped experts -> unpermute with no [E, C, M] padding ('ragged'), or the
-    capacity path at the smallest static bucket holding every assignment ('bucketed', see `tutel_jax.dropless`).
-
-    load_experts: how many experts the k*S assignments spread over (default plan.num_experts; a plan over one
-    device's n of E experts passes E): the balanced load k*S/E sets 'auto' and the bucket ladder."""
-    experts = config.experts
-    grouped = getattr(experts, "grouped", None)
-    spread = plan.num_experts if load_experts is None else int(load_experts)
-    impl = dropless.resolve_impl(config.dropless_impl, experts, plan.top_k * x.shape[0], spread)
-    if impl == "gather":
-        return _run_gathered(expert_params, x, plan, config)
-    if impl == "loop":
-        return _run_looped(expert_params, x, plan, config)
-    if impl == "native":
-        return _run_native(config, expert_params, x, plan)
-    if impl == "bucketed":
-        caps = dropless.bucket_capacities(x.shape[0], spread, plan.top_k)
-        caps = dropless.extend_for_cpu(caps, x.shape[0], plan.num_experts, x.shape[1] * x.dtype.itemsize)
-        if grouped is not None:  # bounded padding: beyond 4x the balanced load, fall back to the ragged path
-            overflow = (lambda: _run_ragged(expert_params, x, plan, config)) if caps[-1] < x.shape[0] else None
-        else:  # no grouped(): the ladder goes up to S, which always fits
-            caps = caps + ((x.shape[0],) if caps[-1] < x.shape[0] else ())
-            overflow = None
-        return dropless.run_bucketed(plan, caps, lambda p: run_experts_buffered(expert_params, x, p, config), overflow)
-    if grouped is None:
-        try:
-            capacity = int(plan.capacity)  # concrete outside jit: use an exactly sized buffer
-        except jax.errors.ConcretizationTypeError:
-            raise ValueError("capacity_factor=0 (dropless) under jit needs experts with a grouped() method; "
-                             f"{type(experts).__name__} has none. Use capacity_factor < 0 to bound the "
-                             "capacity, dropless_impl='bucketed', or call outside jit.") from None
-        return run_experts_buffered(expert_params, x, plan.with_buffer_capacity(capacity), config)
-    return _run_ragged(expert_params, x, plan, config)
-
-
-def _run_gathered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    """Dropless for a few tokens: the k*S assignments [k*S, M] each through their own expert (`gathered`)."""
-    k, num_tokens = plan.expert_ids.shape
-    enc, dec = dispatch.assignment_weights(plan, config.is_postscore)  # [k, S] each, 0 for unkept assignments
-    rows = (x.astype(enc.dtype)[None] * enc[..., None]).reshape(k * num_tokens, -1).astype(x.dtype)
-    out = config.experts.gathered(expert_params, rows, plan.expert_ids.reshape(-1))  # [k*S, M_out]
-    return jnp.sum(out.reshape(k, num_tokens, -1).astype(dec.dtype) * dec[..., None], axis=0)
-
-
-def _run_looped(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    """Dropless as a loop over the used experts (`expert_loop`): permute -> loop -> unpermute."""
-    return _run_ragged(expert_params, x, plan, config,
-                       grouped=lambda p, rows, sizes: expert_loop.grouped(config.experts, p, rows, sizes))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _run_native(config: MoEConfig, expert_params, x, plan: RoutingPlan) -> jax.Array:
-    """Dropless through the native CPU kernel (`tutel_jax.native.moe_swiglu`: float32 compute), in the gates'
-    dtype like the other paths. Gradients: the 'loop' path's VJP (the kernel is a serving path)."""
-    enc, dec = dispatch.assignment_weights(plan, config.is_postscore)
-    y = native.moe_swiglu(x, plan.expert_ids, enc, dec, expert_params["gate_up_proj"], expert_params["down_proj"])
-    return y.astype(plan.gates.dtype)
-
-
-def _run_native_fwd(config, expert_params, x, plan):
-    return _run_native(config, expert_params, x, plan), (expert_params, x, plan)
-
-
-def _run_native_bwd(config, residuals, g):
-    _, vjp = jax.vjp(lambda p, x, plan: _run_looped(p, x, plan, config), *residuals)
-    return vjp(g)
-
-
-_run_native.defvjp(_run_native_fwd, _run_native_bwd)
-
-
-def _run_ragged(expert_params, x, plan: RoutingPlan, config: MoEConfig, grouped=None) -> jax.Array:
-    """permute -> grouped experts (`config.experts.grouped`, or `grouped(params, rows, sizes)`) -> unpermute."""
-    rows = dispatch.permute(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)
-    out = (grouped or config.experts.grouped)(expert_params, rows, plan.dispatch_count)
-    return dispatch.unpermute(out, plan, config.is_postscore, config.kernel_backend)
-
-
-def run_experts_buffered(expert_params, x, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
-    """Capacity path: encode into [E, C, M], run the experts, decode."""
-    buf = dispatch.fast_encode(x, plan, config.is_postscore, config.kernel_backend).astype(x.dtype)  # [E, C, M]
-    out = config.experts.batched(expert_params, buf)  # [E, C, M_out]
-    return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
-
-
-def run_routed_experts(expert_params, tokens: jax.Array, plan: RoutingPlan, config: MoEConfig,
-                       load_experts: int | None = None) -> jax.Array:
-    """The routed experts' combined output [S, M_out] for tokens [S, M] under `plan` (dropless or capacity;
-    `load_experts` as in `run_experts_dropless`)."""
-    if plan.buffer_capacity is None:
-        return run_experts_dropless(expert_params, tokens, plan, config, load_experts)
-    return run_experts_buffered(expert_params, tokens, plan, config)
+def _aux(plan: RoutingPlan, l_aux: jax.Array, losses: dict, mask: jax.Array | None, group: TokenGroup) -> MoEAux:
+    """The call's MoEAux: this device's routing statistics, reduced over the group (l_aux and losses averaged,
+    counts summed, the capacity the largest, the dropped fraction over every valid assignment)."""
+    if group.is_local and mask is None:
+        return MoEAux(l_aux=l_aux.astype(jnp.float32), dispatch_count=plan.dispatch_count,
+                      capacity=plan.capacity, dropped_fraction=plan.dropped_fraction, losses=losses)
+    num_tokens = plan.kept.shape[1]
+    kept = plan.kept if mask is None else plan.kept & mask[None, :]
+    total = plan.kept.shape[0] * (num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32)))
+    dropped = total - jnp.sum(kept.astype(jnp.int32))
+    return MoEAux(
+        l_aux=group.mean(l_aux.astype(jnp.float32)),
+        dispatch_count=group.sum(plan.dispatch_count),
+        capacity=group.max(plan.capacity),
+        dropped_fraction=(group.sum(dropped).astype(jnp.float32)
+                          / jnp.maximum(group.sum(total), 1).astype(jnp.float32)),
+        losses=jax.tree.map(lambda v: group.mean(v.astype(jnp.float32)), losses),
+    )
 
 
 def moe_apply(
@@ -318,7 +238,7 @@ def moe_apply(
     a2a_ffn_overlap_degree: int | None = None,
     run_experts: Callable | None = None,
 ) -> tuple[jax.Array, MoEAux]:
-    """Runs the MoE layer on one device.
+    """Runs the MoE layer on one device (`moe_pipeline` with the local runner).
 
     Args:
       params: from `init_params` (or a Tutel checkpoint).
@@ -341,23 +261,6 @@ def moe_apply(
       TypeError for a non-floating x; ValueError for a wrong shape or bad per-call options (`routing_args`).
     """
     check_input(x, config.model_dim)
-    gate, _, _ = routing_args(config, gate_index, top_k, capacity_factor)  # before indexing the parameters
-    if math.prod(x.shape[:-1]) == 0:
-        return empty_result(x, config, gate)
-    orig_shape, orig_dtype = x.shape, x.dtype
-    tokens = x.reshape(-1, config.model_dim).astype(config.dtype)
-    degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
-    plan, l_aux, losses = route(
-        params["gates"][gate_index], tokens, config,
-        top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
-        deterministic=deterministic, alignment=config.sharded_count * degree,
-        seq_len=orig_shape[-2] if len(orig_shape) >= 3 else None, return_losses=True,
-    )
-    y = (run_experts or run_routed_experts)(params["experts"], tokens, plan, config)
-    y = apply_shared_experts(params, tokens, y, config)
-    y = y.reshape(orig_shape[:-1] + (y.shape[-1],)).astype(orig_dtype)
-    if config.result_func is not None:
-        y = config.result_func(y)
-    aux = MoEAux(l_aux=l_aux.astype(jnp.float32), dispatch_count=plan.dispatch_count, capacity=plan.capacity,
-                 dropped_fraction=plan.dropped_fraction, losses=losses)
-    return y, aux
+    call = CallOptions(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index,
+                       a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
+    return moe_pipeline(params, x, config, call, rng=rng, deterministic=deterministic, run_experts=run_experts)

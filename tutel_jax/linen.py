@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from .config import make_config
 from .layer import init_params, moe_apply
+from .routing.gates import as_gate
 
 __all__ = ["MoELinen"]
 
@@ -40,8 +41,7 @@ class MoELinen(nn.Module):
         config = self.config()
         params = self.param("moe", lambda key: init_params(config, key))
         gate = config.gate(gate_index)
-        noisy = gate.gate_noise > 0 or getattr(gate, "jitter", 0) > 0
-        rng = self.make_rng("gate_noise") if (not deterministic and noisy) else None
+        rng = self.make_rng("gate_noise") if (not deterministic and as_gate(gate).needs_rng) else None
         y, aux = moe_apply(params, x, config, top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index,
                            rng=rng, deterministic=deterministic)
         for name in ("l_aux", "dispatch_count", "capacity", "dropped_fraction"):

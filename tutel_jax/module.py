@@ -19,6 +19,7 @@ from .checkpoint import tutel_format
 from .config import MoEConfig, make_config
 from .layer import MoEAux, init_params, moe_apply
 from .parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
+from .routing.gates import as_gate
 
 __all__ = ["MoE", "RoutingStat", "RouterState"]
 
@@ -155,7 +156,7 @@ class MoE(nnx.Module):
         deterministic = self.deterministic if deterministic is None else deterministic
         gate = self.config.gate(gate_index)
         rng = None
-        if not deterministic and (gate.gate_noise > 0 or getattr(gate, "jitter", 0) > 0):
+        if not deterministic and as_gate(gate).needs_rng:
             rng = self.rngs.noise() if "noise" in self.rngs else self.rngs()
         common = dict(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index, rng=rng,
                       deterministic=deterministic, a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)

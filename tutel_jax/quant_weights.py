@@ -1,12 +1,12 @@
-"""Weights kept quantized in memory (FP8 block, MXFP4, NVFP4) and the matmuls that dequantize inside.
+"""Weights kept quantized in memory (FP8 block, MXFP4, NVFP4): the containers and the dense matmul.
 
 A quantized weight is one of `pallas_kernels.quant`'s containers (`Fp8BlockWeight`, `Mxfp4Weight`,
-`Nvfp4Weight`), a pytree of its packed arrays in the HF layout [..., out, in]. Layers that accept one:
+`Nvfp4Weight`), a pytree of its packed arrays in the HF layout [..., out, in].
 
-  dense(x [..., in], w [out, in])                     -> [..., out]   (attention / dense MLP projections)
-  grouped(x [T, in], w [E, out, in], group_sizes [E]) -> [T, out]     (MoE experts, rows sorted by expert)
-  batched(x [E, C, in], w [E, out, in])               -> [E, C, out]  (MoE capacity buffers)
-  gathered(x [R, in], w [E, out, in], expert_ids [R]) -> [R, out]     (a few rows: only their experts are read)
+  dense(x [..., in], w [out, in]) -> [..., out]   (attention / dense MLP / shared-expert projections)
+
+The MoE experts' matmuls over [E, out, in] containers (batched, grouped, gathered) are the grouped-linear
+primitive, `tutel_jax.grouped_linear`, which takes float and packed expert weights alike.
 
 `implementation` follows `pallas_kernels`: "auto" runs the dequantizing Pallas kernel on a GPU and the XLA
 reference (dequantize in float32, then matmul) elsewhere; "xla", "pallas" or "interpret" force one. Plain
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "is_quantized", "check_format", "dense", "grouped", "batched", "gathered", "dequantize",
-           "quantize", "to_jax", "stack", "logical_shape", "resident_bytes"]
+__all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
+           "logical_shape", "resident_bytes"]
 
 FORMATS = ("fp8_block", "mxfp4", "nvfp4")
 
@@ -53,27 +53,6 @@ def dense(x: jax.Array, w: Any, implementation: str | None = "auto") -> jax.Arra
     lead = x.shape[:-1]
     y = quant_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype=x.dtype, implementation=_impl(implementation))
     return y.reshape(*lead, y.shape[-1])
-
-
-def grouped(x: jax.Array, w: Any, group_sizes: jax.Array, implementation: str | None = "auto") -> jax.Array:
-    """x [T, in] with rows sorted by expert, w [E, out, in] -> [T, out] (rows past sum(group_sizes): zeros)."""
-    if not is_quantized(w):
-        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes)
-    from pallas_kernels import quant_gmm
-    return quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype, implementation=_impl(implementation))
-
-
-def batched(x: jax.Array, w: Any) -> jax.Array:
-    """x [E, C, in] @ w[E, out, in] per expert -> [E, C, out] (the capacity path dequantizes in XLA)."""
-    full = dequantize(w, x.dtype) if is_quantized(w) else w.astype(x.dtype)
-    return jnp.einsum("eci,eoi->eco", x, full)
-
-
-def gathered(x: jax.Array, w: Any, expert_ids: jax.Array) -> jax.Array:
-    """x [R, in] @ w[expert_ids[r]].T per row -> [R, out]; only the R chosen experts' (packed) weights are read
-    and dequantized."""
-    rows = jax.tree_util.tree_map(lambda a: a[expert_ids], w) if is_quantized(w) else w[expert_ids]
-    return jnp.einsum("ri,roi->ro", x, dequantize(rows, x.dtype))
 
 
 def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:

@@ -226,10 +226,10 @@ def plan_layout(config: MoEConfig, runtime: RuntimeConfig, devices: Sequence[Any
         count_per_node = E // W
     elif W % E == 0:
         count_per_node = -(W // E)
-        hidden = getattr(config.experts, "hidden_size_per_expert", None)
-        if getattr(config.experts, "hidden_axes", None) is None:
+        hidden = config.experts.hidden_size_per_expert
+        if not config.experts.supports("hidden_axes"):
             raise _refuse(runtime, f"{W} expert devices share each of the {E} experts, which needs an expert type "
-                                   f"with hidden_axes(); {type(config.experts).__name__} has none")
+                                   f"with hidden_axes(); {config.experts.type_name} has none")
         if hidden is not None and hidden % (W // E):
             raise _refuse(runtime, f"the hidden size per expert {hidden} is not divisible by the {W // E} devices "
                                    "sharing each expert")

@@ -4,7 +4,7 @@ Supported model_types: `tutel_jax.models.FAMILIES`; each family's tensor names, 
 in its own module, `tutel_jax/models/families/<model_type>.py`. The block maps hidden states [..., H] to the
 MoE output [..., H] exactly like the HF block (dropless: HF never drops tokens), shared experts included. Read
 through `models.dequant.QuantizedTensors`, quantized expert weights stay packed (experts `weight_format`, see
-`experts_quant`). The implementation is `tutel_jax.models.moe_block`; this module keeps its public names.
+`grouped_linear`). The implementation is `tutel_jax.models.moe_block`; this module keeps its public names.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .torch_zip import _ALIGNMENT, _ARCHIVE_VERSION, _SETITEMS_BATCH, _STORAGE_DTYPES
+from .torch_zip_format import _ALIGNMENT, _ARCHIVE_VERSION, _SETITEMS_BATCH, _STORAGE_DTYPES
 
 __all__ = ["save_torch_file"]
 

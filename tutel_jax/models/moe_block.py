@@ -5,7 +5,8 @@ mean: the FFN prefix under `model.layers.{i}.`, the router's tensors and gate ty
 (per-expert SwiGLU `experts.{e}.<gate|up|down>.weight`, stacked here, or fused tensors taken as stored) and
 the shared experts. The block maps hidden states [..., H] to the MoE output [..., H] exactly like the HF block
 (dropless: HF never drops tokens), shared experts included. Read through `models.dequant.QuantizedTensors`,
-quantized expert weights stay packed (experts `weight_format`, see `experts_quant`).
+quantized expert weights stay packed (experts `weight_format`: `SwiGLUExperts` / `GptOssExperts` hold the
+containers, run through `grouped_linear`).
 
 Public through `tutel_jax.checkpoint.hf_moe` (`hf_moe_block`, `hf_moe_block_tensors`, `moe_layer_indices`).
 """

@@ -26,18 +26,15 @@ import math
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import dispatch
-from .. import dropless
+from ..call_options import CallOptions
 from ..config import MoEConfig
-from ..layer import (MoEAux, apply_shared_experts, empty_result, route, routing_args, run_experts_buffered,
-                     run_experts_dropless)
-from ..routing.plan import align_capacity
+from ..layer import MoEAux, empty_result, moe_pipeline, routing_args
+from ..token_group import TokenGroup
 from ..validation import check_input
-from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
+from .exchange_runner import SHARDED_EXPERT_AXES, ExchangeRunner
+from .exchanges import resolve_exchange
 
 __all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_params", "shard_map"]
 
@@ -106,15 +103,15 @@ class ExpertParallel:
         return P(self.expert_axes)
 
 
-EXPERT_AXES = ("_moe_e", "_moe_q", "_moe_t")  # (expert, capacity replica, tensor-parallel) for sharded experts
+EXPERT_AXES = SHARDED_EXPERT_AXES  # (expert, capacity replica, tensor-parallel) for sharded experts
 
 
 def _hidden_axes(config: MoEConfig, expert_params: Any) -> Any:
-    fn = getattr(config.experts, "hidden_axes", None)
-    if fn is None:
-        raise ValueError(f"sharded experts need an expert type with hidden_axes(); {type(config.experts).__name__} "
-                         "has none")
-    return fn(expert_params)
+    from ..experts import as_experts  # a config built around make_config may hold a plain object
+    experts = as_experts(config.experts)
+    if experts.hidden_axes is None:
+        raise ValueError(f"sharded experts need an expert type with hidden_axes(); {experts.type_name} has none")
+    return experts.hidden_axes(expert_params)
 
 
 def sharded_layout(placement: ExpertParallel, sharded_count: int, r: int) -> tuple[Mesh, tuple[str, ...]]:
@@ -243,10 +240,12 @@ def moe_apply_parallel(
       over devices, aux.capacity the capacity every device used, aux.dropped_fraction over all assignments.
     """
     _check_global_shapes(params, x, config, placement, valid)
+    call = CallOptions(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index,
+                       a2a_ffn_overlap_degree=a2a_ffn_overlap_degree, use_2dh=use_2dh, adaptive_r=adaptive_r,
+                       inequivalent_tokens=inequivalent_tokens, dropless_exchange=dropless_exchange,
+                       recv_capacity=recv_capacity)
     gate, _, _ = routing_args(config, gate_index, top_k, capacity_factor)
-    degree = config.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else int(a2a_ffn_overlap_degree)
-    if degree < 1:
-        raise ValueError(f"a2a_ffn_overlap_degree must be >= 1, got {degree}")
+    degree = call.overlap_degree(config)
     use_2dh = config.use_2dh if use_2dh is None else bool(use_2dh)
     r = config.adaptive_degree(adaptive_r)
     s = config.sharded_count
@@ -257,133 +256,22 @@ def moe_apply_parallel(
         expert_axes = EXPERT_AXES
     else:
         mesh, token_axes, expert_axes = placement.mesh, placement.token_axes, placement.expert_axes
-    alignment = s * degree
-    model_dim = config.model_dim
-    if dropless_exchange not in ("padded", "ragged", "auto", "emulated"):
-        raise ValueError(f"dropless_exchange must be 'padded', 'ragged', 'auto' or 'emulated', "
-                         f"got {dropless_exchange!r}")
-    exchange = None
-    if dropless_exchange != "padded" and s == 1 and not use_2dh:
-        from .ragged_dropless import emulated_ragged_all_to_all, ragged_supported
-        if dropless_exchange == "emulated":
-            exchange = emulated_ragged_all_to_all
-        elif dropless_exchange == "ragged" or ragged_supported():
-            exchange = lax.ragged_all_to_all
+    collective = resolve_exchange(dropless_exchange, ragged_layout=s == 1 and not use_2dh)
     if math.prod(x.shape[:-1]) == 0:  # no token on any device (B splits evenly): nothing to route or exchange
         return empty_result(x, config, gate)
-    hidden_axes = _hidden_axes(config, params["experts"]) if s > 1 else None
-
-    def gather_all_experts(local_params):
-        """r = 0: every expert's full weights on every device."""
-        def gather(leaf, axis=None):
-            if s > 1 and axis is not None:
-                leaf = lax.all_gather(leaf, EXPERT_AXES[1:], axis=axis, tiled=True)
-            return lax.all_gather(leaf, expert_axes[:1] if s > 1 else expert_axes, axis=0, tiled=True)
-        if s == 1:
-            return jax.tree.map(gather, local_params)
-        return jax.tree.map(gather, local_params, hidden_axes)
-
-    def replica_params(local_params):
-        """r >= 1, sharded experts: this device's 1/r of its expert's hidden units; output biases on t = 0 only."""
-        first_tp = (lax.axis_index(EXPERT_AXES[2]) == 0)
-
-        def take(leaf, axis):
-            if axis is None:
-                return leaf * first_tp.astype(leaf.dtype)
-            return lax.all_gather(leaf, EXPERT_AXES[1], axis=axis, tiled=True)
-        return jax.tree.map(take, local_params, hidden_axes)
-
-    def exchange_and_compute(part, expert_params):
-        """[E, c, M] slots -> [E, c, M_out] expert outputs, through the expert devices."""
-        if s == 1:
-            part = expert_all_to_all(part, expert_axes, use_2dh)  # [n, W*c, M]
-            part = config.experts.batched(expert_params, part)
-            return expert_all_to_all_reverse(part, expert_axes, use_2dh)
-        num_experts, c, dim = part.shape
-        replicas, tp = s // r, r
-        piece = part.reshape(num_experts, replicas, 1, c // replicas, dim)
-        piece = jnp.broadcast_to(piece, (num_experts, replicas, tp, c // replicas, dim))
-        piece = piece.reshape(num_experts * replicas * tp, c // replicas, dim)  # one row block per device
-        piece = expert_all_to_all(piece, expert_axes)  # [1, W*c/replicas, M]
-        piece = config.experts.batched(expert_params, piece)
-        piece = expert_all_to_all_reverse(piece, expert_axes)  # [W, c/replicas, M_out]
-        piece = piece.reshape(num_experts, replicas, tp, c // replicas, piece.shape[-1]).sum(axis=2)
-        return piece.reshape(num_experts, c, piece.shape[-1])
+    runner = ExchangeRunner(expert_axes=expert_axes, use_2dh=use_2dh, degree=degree, sharded_count=s,
+                            adaptive_r=r, hidden_axes=_hidden_axes(config, params["experts"]) if s > 1 else None,
+                            collective=collective, recv_capacity=recv_capacity)
+    group = TokenGroup(token_axes=tuple(token_axes), expert_axes=tuple(expert_axes),
+                       inequivalent_tokens=inequivalent_tokens)
 
     def local(params, x, valid, rng):
-        tokens = x.reshape(-1, model_dim).astype(config.dtype)
-        mask = None if valid is None else valid.reshape(-1)
-        num_tokens = tokens.shape[0]
-        if rng is not None:
-            rng = jax.random.fold_in(rng, lax.axis_index(token_axes))
-        count_for_capacity = None
-        if inequivalent_tokens:
-            local_count = num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32))
-            count_for_capacity = lax.pmax(local_count, expert_axes)
-        plan, l_aux, losses = route(
-            params["gates"][gate_index], tokens, config, top_k=top_k, capacity_factor=capacity_factor,
-            gate_index=gate_index, rng=rng, deterministic=deterministic, alignment=alignment, valid=mask,
-            num_tokens_for_capacity=count_for_capacity, max_count_reduce=lambda c: lax.pmax(c, expert_axes),
-            seq_len=x.shape[-2] if x.ndim >= 3 else None, return_losses=True)
-        if r == 0:  # data parallel: all experts here, no exchange
-            full = gather_all_experts(params["experts"])
-            if plan.buffer_capacity is None:
-                y = run_experts_dropless(full, tokens, plan, config)
-            else:
-                y = run_experts_buffered(full, tokens, plan, config)
-        else:
-            expert_params = params["experts"] if s == 1 else replica_params(params["experts"])
-
-            def run_at(plan):
-                buf = dispatch.fast_encode(tokens, plan, config.is_postscore, config.kernel_backend)
-                buf = buf.astype(tokens.dtype)  # [E, C, M]
-                chunk = buf.shape[1] // degree
-                # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
-                outputs = [exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params)
-                           for i in range(degree)]
-                out = outputs[0] if degree == 1 else jnp.concatenate(outputs, axis=1)
-                return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
-
-            if plan.buffer_capacity is None:
-                # dropless across devices, padded all_to_all: the smallest of a few static capacities >= the
-                # group's max count (plan.capacity, the same on every device, so every device takes the same
-                # branch). Bound: a rank sends at most S_local assignments to one expert (a token's k experts
-                # are distinct), so the top bucket, S_local, always fits: nothing is ever dropped.
-                top = align_capacity(num_tokens, alignment)
-                caps = dropless.bucket_capacities(num_tokens, config.num_global_experts, plan.top_k,
-                                                  alignment=alignment, max_capacity=top)
-                caps = caps + ((top,) if caps[-1] < top else ())
-                padded = lambda: dropless.run_bucketed(plan, caps, run_at, need=plan.capacity)
-                if exchange is None:
-                    y = padded()
-                else:
-                    from .ragged_dropless import ragged_dropless_experts
-                    y = ragged_dropless_experts(
-                        tokens, plan, expert_params, config.experts, expert_axes, is_postscore=config.is_postscore,
-                        recv_capacity=recv_capacity, fallback=padded, exchange=exchange).astype(tokens.dtype)
-            else:
-                y = run_at(plan)
-        y = apply_shared_experts(params, tokens, y, config)
-        y = y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
-        kept = plan.kept if mask is None else plan.kept & mask[None, :]
-        total = plan.kept.shape[0] * (num_tokens if mask is None else jnp.sum(mask.astype(jnp.int32)))
-        dropped = total - jnp.sum(kept.astype(jnp.int32))
-        aux = MoEAux(
-            l_aux=lax.pmean(l_aux.astype(jnp.float32), token_axes),
-            dispatch_count=lax.psum(plan.dispatch_count, token_axes),
-            capacity=lax.pmax(plan.capacity, token_axes),
-            dropped_fraction=(lax.psum(dropped, token_axes).astype(jnp.float32)
-                              / jnp.maximum(lax.psum(total, token_axes), 1).astype(jnp.float32)),
-            losses=jax.tree.map(lambda v: lax.pmean(v.astype(jnp.float32), token_axes), losses),
-        )
-        return y, aux
+        return moe_pipeline(params, x, config, call, rng=rng, deterministic=deterministic, valid=valid,
+                            run_experts=runner, group=group)
 
     token_spec = P(token_axes)
     specs = param_specs(params, placement, config)
     fn = shard_map(local, mesh,
                     in_specs=(specs, token_spec, None if valid is None else token_spec, None if rng is None else P()),
                     out_specs=(token_spec, P()))
-    y, aux = fn(params, x, valid, rng)
-    if config.result_func is not None:
-        y = config.result_func(y)
-    return y, aux
+    return fn(params, x, valid, rng)

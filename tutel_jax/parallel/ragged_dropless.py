@@ -99,9 +99,9 @@ def ragged_dropless_experts(
         None: no check, so the caller must size R for the worst case W * k * S_local.
       exchange: `lax.ragged_all_to_all`, or `emulated_ragged_all_to_all` on CPU.
     """
-    if not callable(getattr(experts, "grouped", None)):
+    if not experts.supports("grouped"):
         raise ValueError(f"ragged dropless expert parallelism needs experts with grouped(); "
-                         f"{type(experts).__name__} has none")
+                         f"{experts.type_name} has none")
     num_tokens = tokens.shape[0]
     world = axis_size(axes)
     num_experts = plan.num_experts

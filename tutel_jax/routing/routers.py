@@ -10,7 +10,8 @@ transformers 5.24 formulas, and a frozen-dataclass gate that owns the router's p
   kernel_gating(params, k, E) -> dict | None   (how `pallas_kernels.gating` reproduces `select`'s choices)
   choices_for_ids(params, logits, ids [k, S]) -> RouterChoices   (`select`'s weights for given choices)
 
-`layer.route` turns the choices into a RoutingPlan with `plan_from_choices` (Tutel's slot order and capacity
+(the `Gate` protocol of `routing.gates`). The routing pipeline (`routing.pipeline.route_tokens`, called by
+`layer.route`) turns the choices into a RoutingPlan with `plan_from_choices` (Tutel's slot order and capacity
 rules), so every router works with the capacity path (cf > 0, < 0), the dropless path (cf = 0, the default
 here: the HF models are dropless) and expert parallelism. Expert choice has no per-token choices: its gate
 defines `plan(...)` instead of `select(...)` and builds the plan directly.
@@ -28,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .gates import GATE_TYPES, torch_linear_init
+from .gates import GATE_TYPES, Gate, torch_linear_init
 from .plan import RoutingPlan, align_capacity
 
 __all__ = [
@@ -266,7 +267,7 @@ def trainable_mask(params: Any) -> Any:
 # -- gates ---------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _LinearRouter:
+class _LinearRouter(Gate):
     """Common fields of the linear routers.
 
     Attributes:
@@ -311,20 +312,11 @@ class _LinearRouter:
             out = out + params["bias"].astype(out.dtype)
         return out
 
-    def kernel_gating(self, params, k: int, num_experts: int) -> dict | None:
-        """How the fused gating kernel reproduces this router's choices, or None when it cannot.
-
-        Returns the `pallas_kernels.gating` keyword arguments (score_fn, correction_bias, n_group, topk_group,
-        group_fill_value, normalize, routed_scaling_factor) under which the kernel picks exactly the expert ids
-        [k, S] of `select(params, logits, k)`, ties included; the layer then takes the kernel's ids and slots
-        and recomputes the weights with `choices_for_ids`. None (this default): not expressible, use `select`.
-        """
-        return None
-
-    def choices_for_ids(self, params, logits: jax.Array, expert_ids: jax.Array) -> RouterChoices:
-        """`select`'s weights [k, S] and probs [S, E] for the expert ids [k, S] `select` would choose (computed
-        elsewhere, e.g. by the kernel), differentiable in the logits [S, E] exactly as `select`'s."""
-        raise NotImplementedError(f"{type(self).__name__} has no kernel gating")
+    # kernel_gating (default None: not expressible, use `select`) and choices_for_ids: see `Gate`. A router
+    # that the fused gating kernel reproduces returns the `pallas_kernels.gating` keyword arguments (score_fn,
+    # correction_bias, n_group, topk_group, group_fill_value, normalize, routed_scaling_factor) under which
+    # the kernel picks exactly the expert ids [k, S] of `select(params, logits, k)`, ties included; the
+    # pipeline then takes the kernel's ids and slots and recomputes the weights with `choices_for_ids`.
 
 
 def _overrides_select(gate: Any, cls: type) -> bool:
