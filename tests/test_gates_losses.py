@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import reference_np as ref
 from tutel_jax import init_params, make_config, moe_apply, route
 from tutel_jax.losses import cv_squared, gshard_loss, load_importance_loss
 from tutel_jax.routing.gates import CosineTopGate, TopGate
+from tutel_jax.routing.routers import MixtralRouter
 
 M, E = 16, 6
 EXPERTS = {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": 8}
@@ -152,20 +154,25 @@ def _bits(tree):
     return [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(tree)]
 
 
+class _ComputedBy:
+    """init and logits of a custom gate computed by a built-in gate class, `computed_by` (no Gate base class)."""
+    computed_by: typing.ClassVar[type] = TopGate
+
+    def init(self, key, model_dim, num_experts, dtype):
+        return self.computed_by().init(key, model_dim, num_experts, dtype)
+
+    def logits(self, params, x):
+        return self.computed_by().logits(params, x)
+
+
 @dataclasses.dataclass(frozen=True)
-class _LegacyTop:
+class _LegacyTop(_ComputedBy):
     """A custom gate written against the original protocol only (k, capacity_factor, gate_noise, init, logits):
     Tutel's top gate, computed by `TopGate`."""
     k: int = 2
     capacity_factor: float = 1.0
     gate_noise: float = 0.0
     tag = "legacy"  # a plain attribute of the custom gate
-
-    def init(self, key, model_dim, num_experts, dtype):
-        return TopGate().init(key, model_dim, num_experts, dtype)
-
-    def logits(self, params, x):
-        return TopGate().logits(params, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,13 +183,7 @@ class _LegacyRouter(_LegacyTop):
     z_loss_weight: float = 0.0
     capacity_factor: float = 0.0
 
-    def init(self, key, model_dim, num_experts, dtype):
-        from tutel_jax.routing.routers import MixtralRouter
-        return MixtralRouter().init(key, model_dim, num_experts, dtype)
-
-    def logits(self, params, x):
-        from tutel_jax.routing.routers import MixtralRouter
-        return MixtralRouter().logits(params, x)
+    computed_by: typing.ClassVar[type] = MixtralRouter
 
     def select(self, params, logits, k):
         from tutel_jax.routing.routers import softmax_topk
@@ -291,16 +292,11 @@ def test_legacy_expert_choice_gate_keeps_its_fixed_capacity_check():
     from tutel_jax.routing.routers import ExpertChoiceRouter
 
     @dataclasses.dataclass(frozen=True)
-    class LegacyExpertChoice:  # duck-typed: `plan` makes it an expert-choice gate
+    class LegacyExpertChoice(_ComputedBy):  # duck-typed: `plan` makes it an expert-choice gate
         k: int = 1
         capacity_factor: float = 2.0
         gate_noise: float = 0.0
-
-        def init(self, key, model_dim, num_experts, dtype):
-            return ExpertChoiceRouter().init(key, model_dim, num_experts, dtype)
-
-        def logits(self, params, x):
-            return ExpertChoiceRouter().logits(params, x)
+        computed_by: typing.ClassVar[type] = ExpertChoiceRouter
 
         def plan(self, params, logits, capacity_factor, **kw):
             return ExpertChoiceRouter().plan(params, logits, capacity_factor, **kw)

@@ -82,40 +82,37 @@ class TestDispatch(KernelTestBase):
                         static=dict(config=SMALL))
         assert_close(out, tutel_dispatch.decode(expected, routing.weights.astype(jnp.bfloat16), rows), jnp.bfloat16)
 
+    @staticmethod
+    def _assert_same_gradients(ours, theirs, data, weights, cotangent):
+        """Gradients of sum(fn(data, weights) * cotangent) w.r.t. both inputs: the kernel's (jitted) vs Tutel's."""
+        def grads(fn, jit):
+            g = jax.grad(lambda d, w: jnp.sum(fn(d, w) * cotangent), (0, 1))
+            return (jax.jit(g) if jit else g)(data, weights)
+        for a, b in zip(grads(ours, True), grads(theirs, False)):
+            assert_close(a, b)
+
     def test_encode_gradients(self):
         x = random_normal(8, (26, 20))
         slots, routing = _buffer_slots(random_normal(9, (26, 4)), 2, 10)
-        cotangent = random_normal(10, (40, 20))
-        loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * cotangent)
-        ours = jax.jit(jax.grad(loss(lambda x, w: pk.encode(
-            x, w, slots, 40, implementation=self.impl, config=SMALL)), (0, 1)))(x, routing.weights)
-        theirs = jax.grad(loss(lambda x, w: tutel_dispatch.encode(x, w, slots, 40)), (0, 1))(x, routing.weights)
-        for a, b in zip(ours, theirs):
-            assert_close(a, b)
+        self._assert_same_gradients(
+            lambda x, w: pk.encode(x, w, slots, 40, implementation=self.impl, config=SMALL),
+            lambda x, w: tutel_dispatch.encode(x, w, slots, 40), x, routing.weights, random_normal(10, (40, 20)))
 
     def test_decode_gradients(self):
         data = random_normal(11, (40, 20))
         slots, routing = _buffer_slots(random_normal(12, (26, 4)), 3, 10)
-        cotangent = random_normal(13, (26, 20))
-        loss = lambda fn: lambda d, w: jnp.sum(fn(d, w) * cotangent)
-        ours = jax.jit(jax.grad(loss(lambda d, w: pk.decode(
-            d, w, slots, implementation=self.impl, config=SMALL)), (0, 1)))(data, routing.weights)
-        theirs = jax.grad(loss(lambda d, w: tutel_dispatch.decode(d, w, slots)), (0, 1))(data, routing.weights)
-        for a, b in zip(ours, theirs):
-            assert_close(a, b)
+        self._assert_same_gradients(
+            lambda d, w: pk.decode(d, w, slots, implementation=self.impl, config=SMALL),
+            lambda d, w: tutel_dispatch.decode(d, w, slots), data, routing.weights, random_normal(13, (26, 20)))
 
     def test_weight_gradients_with_the_row_dots_tiling(self):
         # k = 8 with the default config: the row-dots kernel shrinks its block (f32: 16 x 64 on the default
         # target), so its column loop runs 4 steps, the last one partial
         x = random_normal(14, (40, 200))
         slots, routing = _buffer_slots(random_normal(15, (40, 16)), 8, 24)
-        cotangent = random_normal(16, (384, 200))
-        loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * cotangent)
-        ours = jax.jit(jax.grad(loss(lambda x, w: pk.encode(x, w, slots, 384, implementation=self.impl)),
-                                (0, 1)))(x, routing.weights)
-        theirs = jax.grad(loss(lambda x, w: tutel_dispatch.encode(x, w, slots, 384)), (0, 1))(x, routing.weights)
-        for a, b in zip(ours, theirs):
-            assert_close(a, b)
+        self._assert_same_gradients(
+            lambda x, w: pk.encode(x, w, slots, 384, implementation=self.impl),
+            lambda x, w: tutel_dispatch.encode(x, w, slots, 384), x, routing.weights, random_normal(16, (384, 200)))
 
 
 @pytest.mark.parametrize("target", sorted(pk.TARGETS))

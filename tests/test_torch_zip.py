@@ -561,34 +561,21 @@ def test_zip_without_data_pkl(tmp_path: Path) -> None:
     _expect_format_error(path, "data.pkl")
 
 
-def test_storage_entry_missing(tmp_path: Path) -> None:
-    obj = {"w": FakeTensor("FloatStorage", "7", 4, 0, (4,), (1,))}
-    path = _write_checkpoint(tmp_path / "nostorage.pt", obj, {"0": b"\0" * 16})
-    _expect_format_error(path, "storage '7'.*missing")
-
-
-def test_storage_shorter_than_declared(tmp_path: Path) -> None:
-    obj = {"w": FakeTensor("FloatStorage", "0", 4, 0, (4,), (1,))}
-    path = _write_checkpoint(tmp_path / "short.pt", obj, {"0": b"\0" * 12})
-    _expect_format_error(path, "12 bytes")
-
-
-def test_view_reaching_past_storage_end(tmp_path: Path) -> None:
-    obj = {"w": FakeTensor("FloatStorage", "0", 4, 2, (2, 2), (2, 1))}
-    path = _write_checkpoint(tmp_path / "oob.pt", obj, {"0": b"\0" * 16})
-    _expect_format_error(path, "reads element 5")
-
-
-def test_unsupported_dtype_storage(tmp_path: Path) -> None:
-    obj = {"w": FakeTensor("ComplexFloatStorage", "0", 1, 0, (1,), (1,))}
-    path = _write_checkpoint(tmp_path / "complex.pt", obj, {"0": b"\0" * 8})
-    _expect_format_error(path, "unsupported dtype.*ComplexFloatStorage")
-
-
-def test_big_endian_archive_is_refused(tmp_path: Path) -> None:
-    obj = {"w": FakeTensor("FloatStorage", "0", 1, 0, (1,), (1,))}
-    path = _write_checkpoint(tmp_path / "big.pt", obj, {"0": b"\0" * 4}, byteorder=b"big")
-    _expect_format_error(path, "big-endian")
+@pytest.mark.parametrize("tensor, storages, byteorder, match", [
+    pytest.param(("FloatStorage", "7", 4, 0, (4,), (1,)), {"0": b"\0" * 16}, b"little", "storage '7'.*missing",
+                 id="storage_entry_missing"),
+    pytest.param(("FloatStorage", "0", 4, 0, (4,), (1,)), {"0": b"\0" * 12}, b"little", "12 bytes",
+                 id="storage_shorter_than_declared"),
+    pytest.param(("FloatStorage", "0", 4, 2, (2, 2), (2, 1)), {"0": b"\0" * 16}, b"little", "reads element 5",
+                 id="view_reaching_past_storage_end"),
+    pytest.param(("ComplexFloatStorage", "0", 1, 0, (1,), (1,)), {"0": b"\0" * 8}, b"little",
+                 "unsupported dtype.*ComplexFloatStorage", id="unsupported_dtype_storage"),
+    pytest.param(("FloatStorage", "0", 1, 0, (1,), (1,)), {"0": b"\0" * 4}, b"big", "big-endian",
+                 id="big_endian_archive"),
+])
+def test_malformed_storage_is_refused(tmp_path: Path, tensor, storages, byteorder, match) -> None:
+    path = _write_checkpoint(tmp_path / "bad.pt", {"w": FakeTensor(*tensor)}, storages, byteorder=byteorder)
+    _expect_format_error(path, match)
 
 
 @pytest.mark.parametrize(

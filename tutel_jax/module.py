@@ -49,6 +49,11 @@ def _unbox(tree):
     return jax.tree.map(lambda v: v[...], tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def _last_call_stat(attr: str, doc: str) -> property:
+    """A read-only property with the value of the routing statistic `attr` recorded by the last call."""
+    return property(lambda self: getattr(self, attr).get_value(), doc=doc)
+
+
 class MoE(nnx.Module):
     """Tutel's MoE layer as a Flax NNX module.
 
@@ -177,25 +182,12 @@ class MoE(nnx.Module):
         self._dropped_fraction.set_value(aux.dropped_fraction)
 
     # -- routing statistics of the last call -----------------------------------------------------------------
-    @property
-    def l_aux(self) -> jax.Array:
-        """[] float32 load-balancing loss of the last call."""
-        return self._l_aux.get_value()
-
-    @property
-    def dispatch_count(self) -> jax.Array:
-        """[E] int32 assignments per expert in the last call, before dropping."""
-        return self._dispatch_count.get_value()
-
-    @property
-    def capacity(self) -> jax.Array:
-        """[] int32 capacity C used by the last call."""
-        return self._capacity.get_value()
-
-    @property
-    def dropped_fraction(self) -> jax.Array:
-        """[] float32 fraction of assignments dropped in the last call."""
-        return self._dropped_fraction.get_value()
+    l_aux = _last_call_stat("_l_aux", "[] float32 load-balancing loss of the last call.")
+    dispatch_count = _last_call_stat("_dispatch_count", "[E] int32 assignments per expert in the last call, "
+                                                        "before dropping.")
+    capacity = _last_call_stat("_capacity", "[] int32 capacity C used by the last call.")
+    dropped_fraction = _last_call_stat("_dropped_fraction", "[] float32 fraction of assignments dropped in the "
+                                                            "last call.")
 
     def update_correction_bias(self, rate: float, gate_index: int = 0, dispatch_count: jax.Array | None = None
                                ) -> None:

@@ -84,17 +84,12 @@ class ExpertParallel:
     @property
     def world_size(self) -> int:
         """W: devices in the all_to_all group."""
-        size = 1
-        for axis in self.expert_axes:
-            size *= self.mesh.shape[axis]
-        return size
+        return math.prod(self.mesh.shape[axis] for axis in self.expert_axes)
 
     @property
     def num_token_shards(self) -> int:
-        size = 1
-        for axis in self.token_axes:
-            size *= self.mesh.shape[axis]
-        return size
+        """Devices the tokens' leading axis is split over."""
+        return math.prod(self.mesh.shape[axis] for axis in self.token_axes)
 
     def token_spec(self) -> P:
         return P(self.token_axes)
