@@ -4,7 +4,7 @@
     logits = model(input_ids)                      # [B, T] -> float32 [B, T, V]
     logits, cache = model.apply(model.params, ids, ctx, cache)   # KV-cache step (see serving.generate)
 
-MoE layers run through the tutel-jax MoE block (`moe_apply`, dropless `capacity_factor=0.0`).
+MoE layers run through the tutel-jax MoE block (`moe_apply`; dropless: each gate's default `capacity_factor=0.0`).
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
         h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
         if spec.ffn[i] == "moe":
             if expert_mesh is None:
-                y, _ = moe_apply(lp["moe"], h, moe_configs[i], capacity_factor=0.0)
+                y, _ = moe_apply(lp["moe"], h, moe_configs[i])  # dropless: the gate default (moe_block)
             else:
-                y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_configs[i], *expert_mesh, capacity_factor=0.0)
+                y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_configs[i], *expert_mesh)
             if return_router and i == spec.last_moe_layer:
                 plan, _ = route(lp["moe"]["gates"][0], h.reshape(-1, h.shape[-1]).astype(moe_configs[i].dtype),
-                                moe_configs[i], capacity_factor=0.0)
+                                moe_configs[i])
                 shape = h.shape[:2] + (-1,)
                 router = (plan.expert_ids.T.reshape(shape), plan.gates.T.reshape(shape))
         else:

@@ -119,7 +119,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
                  "post_attention_layernorm": cast(_read(tensors, p + "post_attention_layernorm.weight",
                                                         shapes["post_attention_layernorm"]))}
         if spec.ffn[i] == "moe":
-            moe_config, layer["moe"] = hf_moe_block(tensors, config, i, capacity_factor=0.0,
+            moe_config, layer["moe"] = hf_moe_block(tensors, config, i,
                                                     dtype=jnp.dtype(dtype).name, place=place, **(moe_options or {}))
             moe_configs.append(moe_config)
         else:
