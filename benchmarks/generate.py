@@ -109,30 +109,11 @@ def hf_config_dict(m: ModelSize) -> dict[str, Any]:
 
 
 def numpy_tensors(m: ModelSize, seed: int) -> dict[str, np.ndarray]:
-    """Random float32 weights under HF's Qwen3-MoE tensor names: matrices N(0, initializer_range), norms 1."""
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * m.initializer_range).astype(np.float32)
-    ones = lambda n: np.ones((n,), np.float32)
-    t = {"model.embed_tokens.weight": normal(m.vocab, m.hidden), "lm_head.weight": normal(m.vocab, m.hidden),
-         "model.norm.weight": ones(m.hidden)}
-    for i in range(m.layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = ones(m.hidden)
-        t[p + "post_attention_layernorm.weight"] = ones(m.hidden)
-        a = p + "self_attn."
-        t[a + "q_proj.weight"] = normal(m.heads * m.head_dim, m.hidden)
-        t[a + "k_proj.weight"] = normal(m.kv_heads * m.head_dim, m.hidden)
-        t[a + "v_proj.weight"] = normal(m.kv_heads * m.head_dim, m.hidden)
-        t[a + "o_proj.weight"] = normal(m.hidden, m.heads * m.head_dim)
-        t[a + "q_norm.weight"] = ones(m.head_dim)
-        t[a + "k_norm.weight"] = ones(m.head_dim)
-        t[p + "mlp.gate.weight"] = normal(m.experts, m.hidden)
-        for e in range(m.experts):
-            x = f"{p}mlp.experts.{e}."
-            t[x + "gate_proj.weight"] = normal(m.moe_intermediate, m.hidden)
-            t[x + "up_proj.weight"] = normal(m.moe_intermediate, m.hidden)
-            t[x + "down_proj.weight"] = normal(m.hidden, m.moe_intermediate)
-    return t
+    """Random float32 weights under HF's Qwen3-MoE tensor names: matrices N(0, initializer_range), norms 1
+    (`tutel_jax.models.random_init`, drawn in a fixed order from one NumPy Generator(seed))."""
+    from tutel_jax.models.random_init import random_hf_tensors
+
+    return random_hf_tensors(hf_config_dict(m), seed)
 
 
 def write_numpy_checkpoint(path: Path, m: ModelSize, seed: int) -> None:

@@ -45,38 +45,11 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
-from tutel_jax.reconfigure import RuntimeConfig  # noqa: E402
+from tutel_jax.runtime_text import parse_runtime  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402
 
 DEFAULT_SCHEDULE = ("ep=8,r=1; ep=8,r=2; ep=8,r=0; ep=4,dp=2,d=2; node=2,local=2,dp=2; "
                     "ep=2,dp=4,k=1,cf=0.5; ep=8,r=1")
-
-
-def parse_runtime(text: str) -> RuntimeConfig:
-    """One schedule item ('ep=4,dp=2,d=2', 'node=2,local=2,dp=2', ...) -> RuntimeConfig (ValueError if bad)."""
-    fields: dict[str, str] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("ep", "dp", "node", "local", "r", "d", "k", "cf", "2dh"):
-            raise ValueError(f"bad schedule item {part!r} in {text!r}: expected key=value with key in "
-                             "ep, dp, node, local, r, d, k, cf, 2dh")
-        fields[key.strip()] = value.strip()
-    try:
-        ints = {k: int(v) for k, v in fields.items() if k != "cf"}
-        cf = float(fields["cf"]) if "cf" in fields else None
-    except ValueError:
-        raise ValueError(f"bad number in schedule item {text!r}") from None
-    switches = dict(top_k=ints.get("k"), capacity_factor=cf, adaptive_r=ints.get("r"),
-                    a2a_ffn_overlap_degree=ints.get("d", 1))
-    if "node" in ints or "local" in ints:
-        if "ep" in ints:
-            raise ValueError(f"give either ep or node + local in {text!r}")
-        return RuntimeConfig.ep_2dh(ints.get("node", 1), ints.get("local", 1), data=ints.get("dp", 1),
-                                    use_2dh=bool(ints.get("2dh", 1)), **switches)
-    return RuntimeConfig.ep(ints.get("ep", 1), data=ints.get("dp", 1), use_2dh=bool(ints.get("2dh", 0)), **switches)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -221,7 +221,7 @@ def test_helloworld_switch_example_cycles_and_reuses_compiled_steps(capsys):
     spec.loader.exec_module(example)
     assert example.parse_runtime("node=2,local=2,dp=2,d=2") == RuntimeConfig.ep_2dh(2, 2, data=2,
                                                                                      a2a_ffn_overlap_degree=2)
-    with pytest.raises(ValueError, match="bad schedule item"):
+    with pytest.raises(ValueError, match="bad runtime item"):
         example.parse_runtime("ep=4,zz=1")
     argv = ["--batch_size", "1", "--num_tokens", "8", "--model_dim", "16", "--hidden_size", "16",
             "--steps_per_config", "2", "--schedule", "ep=8; ep=2,dp=4,k=1; ep=3; ep=8"]

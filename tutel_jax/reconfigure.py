@@ -4,7 +4,7 @@ Tutel lets a running job change its parallelism, capacity and top-k without a re
 all outside any compiled function:
 
 1. describe the new way of running in a frozen, hashable :class:`RuntimeConfig` (mesh shape and axes, top_k,
-   capacity_factor, adaptive_r, a2a_ffn_overlap_degree, use_2dh);
+   capacity_factor, adaptive_r, a2a_ffn_overlap_degree, use_2dh, dropless_impl);
 2. :func:`plan_layout` validates it against the layer (E experts, hidden size, gates) and returns a
    :class:`Layout`: the device mesh, the :class:`~tutel_jax.parallel.ExpertParallel` placement and the layer's
    `MoEConfig` for that expert-axis size (count_per_node = E / W, or -W / E for sharded experts);
@@ -24,6 +24,8 @@ Which switches change the math (Tutel semantics, every device routing its own to
     which drops nothing; cf < 0 may drop other tokens). Changing the number of devices changes which tokens are
     routed together, and so the result.
   * semantic: top_k and capacity_factor.
+  * dropless_impl only chooses how a dropless plan runs where the experts run locally (one device, r = 0); every
+    path gives the same result up to float rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import MoEConfig, valid_adaptive_degrees
+from .dropless import impl_names, resolve_impl
 from .parallel.expert_parallel import ExpertParallel, param_shardings
 from .validation import check_capacity_factor
 
@@ -66,6 +69,8 @@ class RuntimeConfig:
         r = 0 (data parallel: experts gathered, no all_to_all) is valid for any layout.
       a2a_ffn_overlap_degree: d, chunks of the capacity axis overlapping all_to_all and expert compute.
       use_2dh: hierarchical all_to_all; needs exactly two expert axes (node, local) and s = 1.
+      dropless_impl: the layer's `MoEConfig.dropless_impl` (one of `dropless.impl_names()`), how a dropless
+        plan runs where the experts run locally (r = 0); None keeps the layer's own.
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
@@ -75,6 +80,7 @@ class RuntimeConfig:
     adaptive_r: int | None = None
     a2a_ffn_overlap_degree: int = 1
     use_2dh: bool = False
+    dropless_impl: str | None = None
 
     def __post_init__(self):
         shape = self.mesh_shape.items() if isinstance(self.mesh_shape, Mapping) else self.mesh_shape
@@ -114,6 +120,8 @@ class RuntimeConfig:
             raise ValueError(f"use_2dh must be a bool, got {self.use_2dh!r}")
         if self.use_2dh and len(expert_axes) != 2:
             raise ValueError(f"use_2dh needs two expert axes (node, local), got {expert_axes}")
+        if self.dropless_impl is not None and self.dropless_impl not in impl_names():
+            raise ValueError(f"dropless_impl must be one of {impl_names()} or None, got {self.dropless_impl!r}")
         object.__setattr__(self, "mesh_shape", shape)
         object.__setattr__(self, "expert_axes", expert_axes)
         object.__setattr__(self, "top_k", None if self.top_k is None else int(self.top_k))
@@ -152,12 +160,14 @@ class RuntimeConfig:
         return math.prod(sizes[a] for a in self.expert_axes)
 
     def describe(self) -> str:
-        """A one-line summary, e.g. 'data=2 x expert=4 (EP 4) r=1 d=1 2dh=off top_k=2 cf=1'."""
+        """A one-line summary, e.g. 'data=2 x expert=4 (EP 4) r=1 d=1 2dh=off top_k=2 cf=1' (and ' dropless=<impl>'
+        when dropless_impl is set)."""
         mesh = " x ".join(f"{n}={s}" for n, s in self.mesh_shape)
         opt = lambda v: "default" if v is None else f"{v:g}"  # noqa: E731
         return (f"{mesh} (EP {self.expert_world_size}) r={'default' if self.adaptive_r is None else self.adaptive_r} "
                 f"d={self.a2a_ffn_overlap_degree} 2dh={'on' if self.use_2dh else 'off'} "
-                f"top_k={opt(self.top_k)} cf={opt(self.capacity_factor)}")
+                f"top_k={opt(self.top_k)} cf={opt(self.capacity_factor)}"
+                + ("" if self.dropless_impl is None else f" dropless={self.dropless_impl}"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +177,7 @@ class Layout:
     Attributes:
       runtime: the RuntimeConfig with adaptive_r resolved (never None).
       config: the layer's MoEConfig for this expert-axis size (count_per_node, a2a_ffn_overlap_degree, use_2dh,
-        parallel_type from the runtime config; gates unchanged).
+        parallel_type and, when set, dropless_impl from the runtime config; gates unchanged).
       placement: mesh and axes for `moe_apply_parallel`; token axes = all mesh axes, in mesh order.
     """
 
@@ -214,7 +224,9 @@ def plan_layout(config: MoEConfig, runtime: RuntimeConfig, devices: Sequence[Any
     Raises:
       ValueError: with the reason, for a mesh larger than the devices, an expert-axis size W that neither
         divides E nor is a multiple of it, a hidden size not divisible by the devices per expert, an adaptive_r
-        not in {0} u divisors(s), top_k > E, or 2DH with sharded experts.
+        not in {0} u divisors(s), top_k > E, 2DH with sharded experts, or a dropless_impl the experts cannot
+        run (what the path requires, e.g. 'gather' needs experts with gathered(); 'native' a CPU backend, SwiGLU
+        experts and a kernel that builds).
     """
     if not isinstance(runtime, RuntimeConfig):
         raise ValueError(f"expected a RuntimeConfig, got {type(runtime).__name__}")
@@ -240,13 +252,20 @@ def plan_layout(config: MoEConfig, runtime: RuntimeConfig, devices: Sequence[Any
                                "multiple of it")
     if runtime.top_k is not None and runtime.top_k > E:
         raise _refuse(runtime, f"top_k={runtime.top_k} exceeds the number of experts E={E}")
+    dropless_impl = config.dropless_impl if runtime.dropless_impl is None else runtime.dropless_impl
+    if runtime.dropless_impl not in (None, "auto"):  # the layer's own impl was checked by make_config
+        from .native.build import NativeKernelError  # 'native' builds its kernel on first use
+        try:
+            resolve_impl(dropless_impl, config.experts)
+        except (ValueError, NativeKernelError) as exc:
+            raise _refuse(runtime, str(exc)) from None
     s = -count_per_node if count_per_node < 0 else 1
     parallel_type = config.parallel_type if runtime.adaptive_r is None else f"adaptive:{runtime.adaptive_r}"
     if parallel_type == "model":
         parallel_type = f"adaptive:{s}"
     layer_config = dataclasses.replace(
         config, num_local_experts=count_per_node, a2a_ffn_overlap_degree=runtime.a2a_ffn_overlap_degree,
-        use_2dh=runtime.use_2dh, parallel_type=parallel_type)
+        use_2dh=runtime.use_2dh, parallel_type=parallel_type, dropless_impl=dropless_impl)
     try:
         r = layer_config.adaptive_degree()
     except ValueError:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ def context_from_mask(attention_mask: jax.Array) -> AttnContext:
 
 def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None, *,
             spec: DecoderSpec, moe_configs: tuple, return_router: bool = False,
-            expert_mesh: tuple[Any, str] | None = None):
+            expert_mesh: tuple[Any, str] | None = None,
+            moe_fn: Callable[[int, dict, jax.Array], tuple[jax.Array, Any]] | None = None):
     """Logits of the T new tokens.
 
     Args:
@@ -55,6 +56,8 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
       return_router: also return the last MoE layer's (ids [B, T, k], weights [B, T, k]).
       expert_mesh: (mesh, expert_axis) when the routed experts are split over that mesh axis: each MoE layer
         runs `parallel.expert_sliced` (every device its own experts on all tokens, one all-reduce).
+      moe_fn: `moe_fn(i, moe_params, h [B, T, M]) -> (y [B, T, M], aux)` runs MoE layer i instead of
+        `moe_apply` / expert_mesh (e.g. a trainer's expert-parallel layer; forward drops aux, moe_fn may record it).
     Returns:
       (logits float32 [B, T, V], new cache or None[, router]).
     """
@@ -69,7 +72,9 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
         x = x + a
         h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
         if spec.ffn[i] == "moe":
-            if expert_mesh is None:
+            if moe_fn is not None:
+                y, _ = moe_fn(i, lp["moe"], h)
+            elif expert_mesh is None:
                 y, _ = moe_apply(lp["moe"], h, moe_configs[i])  # dropless: the gate default (moe_block)
             else:
                 y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_configs[i], *expert_mesh)

@@ -1,0 +1,36 @@
+"""benchmarks/autotune.py runs end to end at tiny sizes (--quick) and writes its result files. Timings are not
+asserted; the structure is: the tuner's choice is the fastest median of its own measurements, and the side-by-side
+table times the tuned, default and slowest configurations."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_autotune_benchmark_quick(tmp_path):
+    out = tmp_path / "autotune.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autotune.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.count("|") > 10 and "Decision log" in markdown
+    report = result["autotune"]
+    medians = {m["label"]: m["median_s"] for m in report["measurements"]}
+    assert len(medians) == len(result["candidates"]) == 3
+    assert medians[report["label"]] == min(medians.values())
+    assert [e["event"] for e in result["decision_log"]] == ["measure"] * 3 + ["choose"]
+    assert all(e["compile_s"] >= 0 and e["runs"] == 2 for e in result["decision_log"])
+    roles = sorted(r for row in result["side_by_side"] for r in row["roles"])
+    assert roles == ["default", "tuned", "worst"]
+    tuned = next(row for row in result["side_by_side"] if "tuned" in row["roles"])
+    assert tuned["ratio_to_tuned"] == 1.0 and all(row["median_s"] > 0 for row in result["side_by_side"])
+    assert result["side_by_side_compiles"] == 0  # the forks reuse the tuning's compiled steps
+    assert report["band"] is not None  # bounded dropless (cf < 0): the capacity follows the routing: a band
