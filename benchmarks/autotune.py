@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks.common import (fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,  # noqa: E402
-                               time_interleaved, tune_malloc, write_json, write_text)
+                               time_interleaved, tune_malloc, write_results)
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.autotune import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig, batch_shardings  # noqa: E402
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(settings)
     markdown = to_markdown(result)
     print(markdown)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        write_json(out, result)
-        write_text(out.with_suffix(".md"), markdown)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_results(args.out if args.out is not None else (None if args.quick else DEFAULT_OUT), result, markdown)
     return result
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 __all__ = ["Timing", "time_interleaved", "tune_malloc", "machine_info", "write_json", "markdown_table", "write_text",
-           "fmt_ms", "fmt_ratio", "repo_root"]
+           "fmt_ms", "fmt_ratio", "repo_root", "write_results"]
 
 
 def repo_root() -> Path:
@@ -192,6 +192,16 @@ def write_text(path: str | Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def write_results(out: str | Path | None, result: Any, markdown: str) -> None:
+    """Writes `result` as JSON to `out` and `markdown` next to it (.md), and says so; nothing when out is None."""
+    if out is None:
+        return
+    out = Path(out)
+    write_json(out, result)
+    write_text(out.with_suffix(".md"), markdown)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks.common import (fmt_ms, machine_info, markdown_table, repo_root, tune_malloc,  # noqa: E402
-                               write_json, write_text)
+                               write_results)
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402
@@ -187,11 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(settings)
     markdown = to_markdown(result)
     print(markdown)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        write_json(out, result)
-        write_text(out.with_suffix(".md"), markdown)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_results(args.out if args.out is not None else (None if args.quick else DEFAULT_OUT), result, markdown)
     return result
 
 

@@ -22,12 +22,13 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from tutel_jax import init_params, make_config
+from tutel_jax import make_config
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from tutel_jax.reconfigure import RuntimeConfig, plan_layout
 from tutel_jax.training import MoETrainer
+from trainer_problem import M, batch, loss_fn, problem_params as _params
 
-M, H, E = 16, 16, 4
+H, E = 16, 4
 LR = 1e-2
 A = RuntimeConfig.ep(8)  # 8 devices share 4 experts: s = 2, r = 1
 LAYOUTS = [  # layout-only switches from A, and back
@@ -44,18 +45,6 @@ def _config(gate_noise: float = 1.0):
                        {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H})
 
 
-def _params(config):
-    return {"proj": jax.random.normal(jax.random.key(3), (M, M)) / 4, "moe": init_params(config, jax.random.key(0))}
-
-
-def loss_fn(params, batch, moe):
-    y, aux = moe(params["moe"], batch["x"] @ params["proj"])
-    return jnp.mean((y - batch["t"]) ** 2) + 0.01 * aux.l_aux, {"dropped": aux.dropped_fraction}
-
-
-def batch(i: int) -> dict:
-    x = jax.random.normal(jax.random.key(100 + i), (16, 8, M))
-    return {"x": x, "t": jnp.tanh(x)}
 
 
 def make_trainer(runtime=A, gate_noise: float = 1.0) -> MoETrainer:

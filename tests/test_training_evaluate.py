@@ -15,11 +15,12 @@ import optax
 import pytest
 
 import reference_np as ref
-from tutel_jax import init_params, make_config
+from tutel_jax import make_config
 from tutel_jax.reconfigure import RuntimeConfig
 from tutel_jax.training import MoETrainer
+from trainer_problem import M, batch, loss_fn, problem_params as _params
 
-M, H, E, K = 16, 16, 4, 2
+H, E, K = 16, 4, 2
 SHARDS = 8
 A = RuntimeConfig.ep(8)                    # 8 devices share 4 experts (s = 2, r = 1)
 B = RuntimeConfig.ep(4, data=2)            # one expert per device, 2 replicas: the same math (layout only)
@@ -30,18 +31,6 @@ def _config(gate_noise: float):
                        {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H, "activation_fn": jax.nn.relu})
 
 
-def _params(config):
-    return {"proj": jax.random.normal(jax.random.key(3), (M, M)) / 4, "moe": init_params(config, jax.random.key(0))}
-
-
-def loss_fn(params, batch, moe):
-    y, aux = moe(params["moe"], batch["x"] @ params["proj"])
-    return jnp.mean((y - batch["t"]) ** 2) + 0.01 * aux.l_aux, {"dropped": aux.dropped_fraction}
-
-
-def batch(i: int) -> dict:
-    x = jax.random.normal(jax.random.key(100 + i), (16, 8, M))
-    return {"x": x, "t": jnp.tanh(x)}
 
 
 def trainer(*, gate_noise: float = 0.0, deterministic: bool = True) -> MoETrainer:
