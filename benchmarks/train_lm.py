@@ -1,6 +1,6 @@
 """Does MoE beat dense? The byte-level LM of `examples/train_lm.py` trained twice, side by side in one run.
 
-    python benchmarks/train_lm.py [--steps 500] [--quick] [--out benchmarks/results/train_lm_cpu.json]
+    python benchmarks/train_lm.py [--steps 400] [--quick] [--out benchmarks/results/train_lm_cpu.json]
         [any train_lm.py option, e.g. --hidden 192 --batch 16 --seq 128]
 
 Both runs get the same data (batch i is the same for both), steps, schedule, optimizer and seed: the MoE model
@@ -31,8 +31,8 @@ DEFAULT_OUT = repo_root() / "benchmarks/results/train_lm_cpu.json"
 QUICK = ["--steps", "6", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
          "--experts", "8", "--expert-hidden", "32", "--batch", "8", "--seq", "32", "--max-corpus-bytes", "200000",
          "--eval-every", "3", "--eval-batches", "2", "--log-every", "1", "--warmup", "2"]
-DEFAULTS = ["--steps", "500", "--batch", "16", "--seq", "128", "--eval-every", "50", "--eval-batches", "8",
-            "--log-every", "10", "--warmup", "50"]
+DEFAULTS = ["--steps", "400", "--batch", "16", "--seq", "128", "--eval-every", "40", "--eval-batches", "8",
+            "--log-every", "10", "--warmup", "40", "--capacity-factor", "2.0"]
 
 
 def load_train_lm():

@@ -279,6 +279,12 @@ class LMRun:
                                         "tokens_per_s": []}
         self.stop = min(args.steps, args.stop_at or args.steps)
         self._batches = None
+        if args.autotune:  # every candidate is checked now, before any step (even if tuning never starts)
+            for text in (t for t in args.autotune.split(";") if t.strip()):
+                try:
+                    self.trainer.plan(parse_runtime(text))
+                except ValueError as e:
+                    raise ValueError(f"--autotune candidate {text.strip()!r}: {e}") from None
 
     @property
     def done(self) -> bool:
