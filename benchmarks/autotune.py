@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks.common import (fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,  # noqa: E402
-                               time_interleaved, tune_malloc, write_results)
+                               time_interleaved, run_and_report)
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.autotune import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig, batch_shardings  # noqa: E402
@@ -185,12 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = QUICK if args.quick else Settings()
     if args.capacity_factor is not None:
         settings = dataclasses.replace(settings, capacity_factor=args.capacity_factor)
-    tune_malloc()
-    result = run(settings)
-    markdown = to_markdown(result)
-    print(markdown)
-    write_results(args.out if args.out is not None else (None if args.quick else DEFAULT_OUT), result, markdown)
-    return result
+    return run_and_report(run, to_markdown, settings,
+                          args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 __all__ = ["Timing", "time_interleaved", "tune_malloc", "machine_info", "write_json", "markdown_table", "write_text",
-           "fmt_ms", "fmt_ratio", "repo_root", "write_results"]
+           "fmt_ms", "fmt_ratio", "repo_root", "write_results", "run_and_report"]
 
 
 def repo_root() -> Path:
@@ -202,6 +202,17 @@ def write_results(out: str | Path | None, result: Any, markdown: str) -> None:
     write_json(out, result)
     write_text(out.with_suffix(".md"), markdown)
     print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def run_and_report(run: Callable[[Any], Any], to_markdown: Callable[[Any], str], settings: Any,
+                   out: str | Path | None) -> Any:
+    """A benchmark's last steps: tuned malloc, `run(settings)`, its Markdown printed, both files written."""
+    tune_malloc()
+    result = run(settings)
+    markdown = to_markdown(result)
+    print(markdown)
+    write_results(out, result, markdown)
+    return result
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:

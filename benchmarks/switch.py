@@ -39,8 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.common import (fmt_ms, machine_info, markdown_table, repo_root, tune_malloc,  # noqa: E402
-                               write_results)
+from benchmarks.common import (fmt_ms, machine_info, markdown_table, repo_root,  # noqa: E402
+                               run_and_report)
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402
@@ -183,12 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.cycles < 1:
             parser.error("--cycles must be >= 1")
         settings = dataclasses.replace(settings, cycles=args.cycles)
-    tune_malloc()
-    result = run(settings)
-    markdown = to_markdown(result)
-    print(markdown)
-    write_results(args.out if args.out is not None else (None if args.quick else DEFAULT_OUT), result, markdown)
-    return result
+    return run_and_report(run, to_markdown, settings,
+                          args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"dense: FFN width {s['top_k'] * s['expert_hidden']}. Batch {s['batch']} x {s['seq']} bytes, AdamW "
         f"(peak lr {s['lr']}, warmup {s['warmup']}, cosine), same batches for both, steps interleaved. Corpus: the "
         f"Python standard library's `.py` files ({result['train_bytes'] / 1e6:.1f} MB train, "
-        f"{result['val_bytes'] / 1e6:.2f} MB validation, split by file path).",
+        f"validation: {result['val_bytes']:,} bytes of fixed windows from the held-out files; split by file path).",
         "",
         markdown_table(["model", "active / total params", "steps", "tokens", "final val bits/byte",
                         "best val bits/byte", "tokens/s"], rows, "lrrrrrr"),

@@ -4,22 +4,12 @@ table times the tuned, default and slowest configurations."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_run import run_quick
 
 
 def test_autotune_benchmark_quick(tmp_path):
     out = tmp_path / "autotune.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autotune.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_quick("autotune", out, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     markdown = out.with_suffix(".md").read_text()
     assert markdown.count("|") > 10 and "Decision log" in markdown
     report = result["autotune"]

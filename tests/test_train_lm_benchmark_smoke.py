@@ -4,22 +4,12 @@ asserted (a 6-step run says nothing about which model is better); the structure 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_run import run_quick
 
 
 def test_train_lm_benchmark_quick(tmp_path):
     out = tmp_path / "train_lm_cpu_quick.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_lm.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_quick("train_lm", out)
     moe, dense = result["runs"]["moe"], result["runs"]["dense"]
     assert moe["steps"] == dense["steps"] == 6 and moe["tokens"] == dense["tokens"] == 6 * 8 * 32
     assert [e["step"] for e in moe["evals"]] == [e["step"] for e in dense["evals"]] == [0, 3, 6]
