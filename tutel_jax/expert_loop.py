@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .vma import varying_like
+from .vma import summed_like, varying_like
 
 __all__ = ["grouped", "chunk_rows"]
 
@@ -146,7 +146,8 @@ def _loop_bwd(experts, chunk, residuals, g):
     d_floats, d_rows = groups.run(per_chunk, init, done, carry)
     it = iter(d_floats)
     d_params = jax.tree_util.tree_unflatten(treedef, [next(it) if f else None for f in is_float])
-    return d_params, d_rows[:rows.shape[0]], None
+    # the carries vary over every axis any input does; each cotangent must have its primal's type
+    return summed_like(d_params, params), summed_like(d_rows[:rows.shape[0]], rows), None
 
 
 _loop.defvjp(_loop_fwd, _loop_bwd)

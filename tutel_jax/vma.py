@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["varying", "varying_axes", "varying_like"]
+__all__ = ["varying", "varying_axes", "varying_like", "summed_like"]
 
 
 def varying_axes(a: Any) -> set:
@@ -44,3 +44,17 @@ def varying_like(x: Any, *refs: Any) -> Any:
         return varying(a, missing) if missing else a
 
     return jax.tree_util.tree_map(cast, x)
+
+
+def summed_like(ct: Any, primal: Any) -> Any:
+    """A custom-VJP cotangent `ct` (a pytree) given the type of its `primal` (same structure; None leaves pass):
+    summed over the mesh axes it varies over and the primal does not. That is the transpose of the implicit
+    cast of an invariant primal to varying (each device's part of the gradient of one shared value)."""
+
+    def cast(c, p):
+        if c is None:
+            return None
+        extra = tuple(sorted(varying_axes(c) - varying_axes(p)))
+        return jax.lax.psum(c, extra) if extra else c
+
+    return jax.tree_util.tree_map(cast, ct, primal, is_leaf=lambda a: a is None)
