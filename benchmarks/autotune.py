@@ -21,7 +21,6 @@ log); the Markdown is also printed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import sys
@@ -41,9 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.common import (fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,  # noqa: E402
-                               time_interleaved, run_and_report)
-from tutel_jax import init_params, make_config  # noqa: E402
+from benchmarks.common import (LayerShape, fmt_ms, fmt_ratio, machine_info, markdown_table,  # noqa: E402
+                               quick_parser, repo_root, results_path, run_and_report, time_interleaved)
+from tutel_jax import init_params  # noqa: E402
 from tutel_jax.autotune import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig, batch_shardings  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402
@@ -53,11 +52,7 @@ DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "autotune_cpu.json"
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    model_dim: int = 128
-    hidden: int = 512
-    experts: int = 8
-    batch_per_device: int = 4
-    tokens: int = 64
+    layer: LayerShape = LayerShape(model_dim=128, hidden=512, experts=8, batch_per_device=4, tokens=64)
     capacity_factor: float = 0.0
     warmup: int = 2
     measure: int = 7
@@ -66,8 +61,8 @@ class Settings:
 
 
 # quick: bounded dropless (cf < 0: a static buffer, so a fast compile, and a capacity that follows the routing)
-QUICK = Settings(model_dim=32, hidden=64, batch_per_device=2, tokens=16, capacity_factor=-1.0, warmup=1, measure=2,
-                 runs=3, quick=True)
+QUICK = Settings(layer=LayerShape(model_dim=32, hidden=64, experts=8, batch_per_device=2, tokens=16),
+                 capacity_factor=-1.0, warmup=1, measure=2, runs=3, quick=True)
 
 
 def candidates(settings: Settings) -> list[Candidate]:
@@ -81,7 +76,7 @@ def candidates(settings: Settings) -> list[Candidate]:
         Candidate(RuntimeConfig.ep(4, data=2), "EP 4 x data 2"),
     ]
     if dropless:  # the dropless implementation matters where the experts run locally (r = 0); 'loop' is a
-        # decode path (its gradient does not run inside shard_map), so training compares ragged and bucketed
+        # decode path (a few rows per expert), so training compares ragged and bucketed
         items.append(Candidate(RuntimeConfig.ep(8, adaptive_r=0, dropless_impl="bucketed"),
                                "EP 8, r=0 (dropless bucketed)"))
     if settings.quick:
@@ -90,10 +85,8 @@ def candidates(settings: Settings) -> list[Candidate]:
 
 
 def _problem(settings: Settings):
-    config = make_config({"type": "top", "k": 2, "capacity_factor": settings.capacity_factor}, settings.model_dim,
-                         {"type": "ffn", "count_per_node": settings.experts, "hidden_size_per_expert": settings.hidden,
-                          "activation_fn": jax.nn.relu})
-    m = settings.model_dim
+    config = settings.layer.config(settings.capacity_factor)
+    m = settings.layer.model_dim
     params = {"proj": jax.random.normal(jax.random.key(3), (m, m)) / np.sqrt(m),
               "moe": init_params(config, jax.random.key(0))}
 
@@ -102,7 +95,7 @@ def _problem(settings: Settings):
         loss = jnp.mean((y - batch["t"]) ** 2) + 0.01 * aux.l_aux
         return loss, {LOAD_RATIO_KEY: load_ratio(aux), "dropped": aux.dropped_fraction}
 
-    shape = (settings.batch_per_device * jax.device_count(), settings.tokens, m)
+    shape = settings.layer.batch_shape(jax.device_count())
 
     def batch(i: int) -> dict[str, np.ndarray]:
         x = np.random.default_rng(1000 + i).standard_normal(shape, dtype=np.float32)
@@ -155,9 +148,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     m, s, a = result["machine"], result["settings"], result["autotune"]
     head = (
         f"Measured on {m['backend']} ({m['device_count']} devices, {m['cpu_affinity']} CPUs), jax {m['jax_version']}, "
-        f"{m['date']}. One MoE layer (E = {s['experts']}, model_dim {s['model_dim']}, hidden {s['hidden']}, top-2, "
-        f"cf {s['capacity_factor']:g}, float32) + adam; batch {s['batch_per_device']} x {s['tokens']} tokens per "
-        f"device, a fresh batch every step. Autotune: {len(result['candidates'])} candidates, {s['warmup']} warmup + "
+        f"{m['date']}. One MoE layer ({LayerShape(**s['layer']).describe()}; cf {s['capacity_factor']:g}, float32) "
+        f"+ adam, a fresh batch every step. Autotune: {len(result['candidates'])} candidates, {s['warmup']} warmup + "
         f"{s['measure']} timed training steps each (compile time reported apart); it chose **{a['label']}** "
         f"({a['speedup']:.2f}x faster than the default in its own measurement). Side by side: forks of the tuned "
         f"trainer (same state), timed in interleaved rounds (`common.time_interleaved`, median of {s['runs']} steps)."
@@ -174,19 +166,14 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, three candidates (smoke test)")
+    parser = quick_parser(__doc__, "small sizes, three candidates (smoke test)", DEFAULT_OUT, devices=8)
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="the gate's capacity factor (default 0: dropless; > 0 fixed, < 0 bounded dropless)")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT}; --quick: none)")
     args = parser.parse_args(argv)
-    if jax.device_count() < 8:
-        parser.error(f"needs 8 devices, found {jax.device_count()}")
     settings = QUICK if args.quick else Settings()
     if args.capacity_factor is not None:
         settings = dataclasses.replace(settings, capacity_factor=args.capacity_factor)
-    return run_and_report(run, to_markdown, settings,
-                          args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
+    return run_and_report(run, to_markdown, settings, results_path(args, DEFAULT_OUT))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ variant is measured) and a fast one more (up to `max_runs`, several per round).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import dataclasses
@@ -29,8 +30,37 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-__all__ = ["Timing", "time_interleaved", "tune_malloc", "machine_info", "write_json", "markdown_table", "write_text",
-           "fmt_ms", "fmt_ratio", "repo_root", "write_results", "run_and_report"]
+__all__ = ["LayerShape", "Timing", "time_interleaved", "tune_malloc", "machine_info", "write_json", "markdown_table", "write_text",
+           "fmt_ms", "fmt_ratio", "repo_root", "write_results", "run_and_report", "quick_parser", "results_path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One FFN MoE layer of the training benchmarks and its batch: Tutel's top-2 gate over `experts` relu
+    experts per device (`count_per_node`), model_dim M, expert hidden H; inputs [batch_per_device * devices,
+    tokens, M]."""
+
+    model_dim: int = 256
+    hidden: int = 2048
+    experts: int = 4
+    batch_per_device: int = 2
+    tokens: int = 64
+
+    def config(self, capacity_factor: float) -> Any:
+        """The layer's `MoEConfig` with this gate capacity factor."""
+        from tutel_jax import make_config  # benchmarks that time no MoE layer need not import it
+
+        return make_config({"type": "top", "k": 2, "capacity_factor": capacity_factor}, self.model_dim,
+                           {"type": "ffn", "count_per_node": self.experts, "hidden_size_per_expert": self.hidden,
+                            "activation_fn": jax.nn.relu})
+
+    def batch_shape(self, devices: int) -> tuple[int, int, int]:
+        """[B, T, M] of the global batch over `devices` devices."""
+        return (self.batch_per_device * devices, self.tokens, self.model_dim)
+
+    def describe(self) -> str:
+        return (f"E = {self.experts}, model_dim {self.model_dim}, hidden {self.hidden}, top-2; batch "
+                f"{self.batch_per_device} x {self.tokens} tokens per device")
 
 
 def repo_root() -> Path:
@@ -213,6 +243,33 @@ def run_and_report(run: Callable[[Any], Any], to_markdown: Callable[[Any], str],
     print(markdown)
     write_results(out, result, markdown)
     return result
+
+
+def quick_parser(doc: str, quick_help: str, default_out: Path, devices: int | None = None
+                 ) -> argparse.ArgumentParser:
+    """The command line of a benchmark with a `--quick` smoke size: --quick and --out (default `default_out`;
+    none with --quick, see `results_path`). With `devices`, `parse_args` refuses to run on fewer devices."""
+    parser = _DevicesParser(description=doc.split("\n\n")[0], devices=devices)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {default_out}; --quick: none)")
+    return parser
+
+
+class _DevicesParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, devices: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.devices = devices
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> argparse.Namespace:
+        ns = super().parse_args(*args, **kwargs)
+        if self.devices is not None and jax.device_count() < self.devices:
+            self.error(f"needs {self.devices} devices, found {jax.device_count()}")
+        return ns
+
+
+def results_path(args: argparse.Namespace, default_out: Path) -> Path | None:
+    """Where a `quick_parser` benchmark writes: --out, else nothing for --quick, else `default_out`."""
+    return args.out if args.out is not None else (None if args.quick else default_out)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:

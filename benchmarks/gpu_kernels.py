@@ -326,17 +326,27 @@ def bench_entry(name: str, kernel_fn: Callable, reference_fn: Callable, args: tu
     return entry
 
 
-def time_gmm(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
-             ) -> list[dict[str, Any]]:
+class Bench:
+    """What the timing sections record into: `bench(name, kernel_fn, reference_fn, args, ...)` appends a
+    `bench_entry`; `timer` and `results` are there for entries of another shape. (A plain class: the tests load
+    this file without registering it as a module, which a dataclass needs.)"""
+
+    def __init__(self, timer: Callable, ceilings: dict):
+        self.timer, self.ceilings = timer, ceilings
+        self.results: list[dict[str, Any]] = []
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.results.append(bench_entry(*args, timer=self.timer, ceilings=self.ceilings, **kwargs))
+
+
+def time_gmm(impl: str, sz: dict, inputs: Inputs, ceilings: dict, bench: Bench, seed: int) -> None:
     """Grouped matmul at the target shape; the baseline is the dense matmul of the same T, K, N."""
-    results = []
-    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     kernel = dict(implementation=impl)
     t, kdim, ndim, g = sz["gmm"]
     lhs, rhs = inputs.normal((t, kdim), BF16), inputs.normal((g, kdim, ndim), BF16)
-    dense = timer(jax.jit(lambda a, b: a @ b), lhs, rhs[0])
+    dense = bench.timer(jax.jit(lambda a, b: a @ b), lhs, rhs[0])
     dense_tflops = 2 * t * kdim * ndim / dense["median_s"] / 1e12
-    results.append({"name": "dense_matmul_same_shape", "kernel": dense, "tflops": dense_tflops})
+    bench.results.append({"name": "dense_matmul_same_shape", "kernel": dense, "tflops": dense_tflops})
     print(f"  {'dense bf16 matmul, same T,K,N':<40} {dense['median_s'] * 1e3:9.3f} ms  {dense_tflops:.1f} TFLOP/s")
     flops = 2.0 * t * kdim * ndim
     variants = (("balanced", balanced_sizes(t, g)),) + (() if sz["dry"] else (("skewed", skewed_sizes(t, g, seed)),))
@@ -351,15 +361,11 @@ def time_gmm(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callabl
     bench("gmm_fwd_bwd_balanced", vjp(impl), vjp("xla"), (lhs, rhs), flops=3 * flops)
     bench("tgmm_balanced", lambda a, c: pk.tgmm(a, c, sizes, **kernel), lambda a, c: pk.tgmm_reference(a, c, sizes),
           (lhs, cot), flops=flops)
-    return results
 
 
-def time_quant(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
-               ) -> list[dict[str, Any]]:
+def time_quant(impl: str, sz: dict, inputs: Inputs, ceilings: dict, bench: Bench, seed: int) -> None:
     """Quantized decode matmul (memory bound on the quantized bytes: target 60% of the copy rate) and the
     grouped quantized matmul."""
-    results = []
-    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     kernel = dict(implementation=impl)
     rows_max, kq, nq = sz["quant"]
     for fmt, quantize in QUANTIZERS.items():
@@ -380,14 +386,10 @@ def time_quant(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Calla
         nbytes = wg.nbytes() + x.size * 2 + tq * nqg * 2
         bench(f"quant_gmm_{fmt}_T{tq}_G{gq}_N{nqg}_K{kqg}", lambda x, w: pk.quant_gmm(x, w, gsizes, **kernel),
               lambda x, w: pk.quant_gmm_reference(x, w, gsizes), (x, wg), flops=2.0 * tq * kqg * nqg, nbytes=nbytes)
-    return results
 
 
-def time_dispatch(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
-                  ) -> list[dict[str, Any]]:
+def time_dispatch(impl: str, sz: dict, inputs: Inputs, ceilings: dict, bench: Bench, seed: int) -> None:
     """encode / decode / permute: bandwidth, target 50% of the copy rate."""
-    results = []
-    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     kernel = dict(implementation=impl)
     copy = ceilings["copy_gbps"]
     tokens, dim, experts, k = sz["dispatch"]
@@ -412,14 +414,10 @@ def time_dispatch(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Ca
     bench(f"permute_S{tokens}_M{dim}_k{k}", lambda x: pk.permute(x, ones, rows, **kernel),
           lambda x: pk.encode_reference(x, ones, rows, k * tokens), (x,),
           nbytes=2.0 * k * tokens * dim * 2, target=("gbps", 0.5, copy))
-    return results
 
 
-def time_gating(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int
-                ) -> list[dict[str, Any]]:
+def time_gating(impl: str, sz: dict, inputs: Inputs, ceilings: dict, bench: Bench, seed: int) -> None:
     """Gating: bytes of logits in and routing out."""
-    results = []
-    bench = lambda *a, **k: results.append(bench_entry(*a, timer=timer, ceilings=ceilings, **k))
     for tokens, experts, k, score_fn, groups in sz["gating"]:
         logits = inputs.normal((tokens, experts), F32, scale=2.0)
         bias = inputs.normal((experts,), scale=0.3)
@@ -428,21 +426,20 @@ def time_gating(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Call
                                                    implementation=impl_, **opts))
         bench(f"gating_{score_fn}_S{tokens}_E{experts}_k{k}", fn(impl), fn("xla"), (logits, bias),
               nbytes=tokens * experts * 8.0 + 12.0 * k * tokens)
-    return results
 
 
 #: timing sections, in run order
-TIMING_SECTIONS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+TIMING_SECTIONS: dict[str, Callable[..., None]] = {
     "gmm": time_gmm, "quant": time_quant, "dispatch": time_dispatch, "gating": time_gating}
 
 
 def run_timings(impl: str, sz: dict, inputs: Inputs, ceilings: dict, timer: Callable, seed: int,
                 sections: tuple[str, ...] = tuple(TIMING_SECTIONS)) -> list[dict[str, Any]]:
     """Kernel vs XLA reference timings of the chosen `sections` (keys of TIMING_SECTIONS)."""
-    results = []
+    bench = Bench(timer, ceilings)
     for section in sections:
-        results += TIMING_SECTIONS[section](impl, sz, inputs, ceilings, timer, seed)
-    return results
+        TIMING_SECTIONS[section](impl, sz, inputs, ceilings, bench, seed)
+    return bench.results
 
 
 # -------------------------------------------------------------------------------------------------- main

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +34,8 @@ if __package__ in (None, ""):  # run as a script: make `tutel_jax` and `benchmar
 import numpy as np  # noqa: E402
 
 from benchmarks.common import machine_info, markdown_table, repo_root, write_json, write_text  # noqa: E402
+from tutel_jax.parallel.local_launch import free_port  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quantile(xs, q):
@@ -53,7 +48,7 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
     """(server process, base URL) of a server started with `--batching` + the words of `batching` (and
     `extra_args`)."""
     import httpx
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", checkpoint, "--port", str(port),

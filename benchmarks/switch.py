@@ -19,7 +19,6 @@ Results go to a JSON file and a Markdown file next to it (same stem, `.md`); the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -39,9 +38,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.common import (fmt_ms, machine_info, markdown_table, repo_root,  # noqa: E402
-                               run_and_report)
-from tutel_jax import init_params, make_config  # noqa: E402
+from benchmarks.common import (LayerShape, fmt_ms, machine_info, markdown_table, quick_parser,  # noqa: E402
+                               repo_root, results_path, run_and_report)
+from tutel_jax import init_params  # noqa: E402
 from tutel_jax.reconfigure import RuntimeConfig  # noqa: E402
 from tutel_jax.training import MoETrainer  # noqa: E402
 
@@ -61,16 +60,12 @@ CYCLE = [
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    model_dim: int = 256
-    hidden: int = 2048
-    experts: int = 4
-    batch_per_device: int = 2
-    tokens: int = 64
+    layer: LayerShape = LayerShape()
     steps_per_visit: int = 4
     cycles: int = 5
 
 
-QUICK = Settings(model_dim=64, hidden=256, tokens=16, steps_per_visit=2, cycles=2)
+QUICK = Settings(layer=LayerShape(model_dim=64, hidden=256, tokens=16), steps_per_visit=2, cycles=2)
 
 
 def _moved_bytes(trainer: MoETrainer, runtime: RuntimeConfig) -> int:
@@ -90,16 +85,14 @@ def _steps(trainer: MoETrainer, x: jax.Array, n: int) -> tuple[float, list[float
 
 
 def run(settings: Settings) -> dict[str, Any]:
-    config = make_config({"type": "top", "k": 2, "capacity_factor": 1.0}, settings.model_dim,
-                         {"type": "ffn", "count_per_node": settings.experts, "hidden_size_per_expert": settings.hidden,
-                          "activation_fn": jax.nn.relu})
+    config = settings.layer.config(1.0)
     params = {"moe": init_params(config, seeds=(1, 1))}
 
     def loss_fn(params, x, moe):
         y, aux = moe(params["moe"], x)
         return -jnp.mean(jax.nn.log_softmax(jnp.sum(y, axis=2), axis=1)[:, 0]) + 0.01 * aux.l_aux
 
-    x = jax.random.normal(jax.random.key(0), (settings.batch_per_device * 8, settings.tokens, settings.model_dim))
+    x = jax.random.normal(jax.random.key(0), settings.layer.batch_shape(8))
     trainer = MoETrainer(config, loss_fn, optax.adam(1e-4), params, CYCLE[0][1], deterministic=True)
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(trainer.state))
     first_compile_s = trainer.compile(x)
@@ -151,9 +144,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
     head = (
         f"Measured on {m['backend']} ({m['device_count']} devices, {m['cpu_affinity']} CPUs), jax {m['jax_version']}, "
-        f"{m['date']}. One MoE layer (E = {s['experts']}, model_dim {s['model_dim']}, hidden {s['hidden']}, top-2, "
-        f"cf 1.0, float32) + adam; state (params + mu + nu) {result['state_bytes'] / 2**20:.1f} MiB; batch "
-        f"{s['batch_per_device']} x {s['tokens']} tokens per device. First visit: reshard + compile of the new "
+        f"{m['date']}. One MoE layer ({LayerShape(**s['layer']).describe()}; cf 1.0, float32) + adam; state "
+        f"(params + mu + nu) {result['state_bytes'] / 2**20:.1f} MiB. First visit: reshard + compile of the new "
         "configuration (`switch(precompile=True)`); the first reshard between two shardings also builds JAX's "
         f"transfer program. Cached: medians over {s['cycles']} later visits of the whole `switch` call, its reshard "
         f"part, the first step after it and the steady step (steps 2..{s['steps_per_visit']}). Moved = global bytes "
@@ -171,20 +163,15 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, 2 cycles (smoke test)")
+    parser = quick_parser(__doc__, "small sizes, 2 cycles (smoke test)", DEFAULT_OUT, devices=8)
     parser.add_argument("--cycles", type=int, default=None, help="cached cycles to take medians over (default 5)")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT}; --quick: none)")
     args = parser.parse_args(argv)
-    if jax.device_count() < 8:
-        parser.error(f"needs 8 devices, found {jax.device_count()}")
     settings = QUICK if args.quick else Settings()
     if args.cycles is not None:
         if args.cycles < 1:
             parser.error("--cycles must be >= 1")
         settings = dataclasses.replace(settings, cycles=args.cycles)
-    return run_and_report(run, to_markdown, settings,
-                          args.out if args.out is not None else (None if args.quick else DEFAULT_OUT))
+    return run_and_report(run, to_markdown, settings, results_path(args, DEFAULT_OUT))
 
 
 if __name__ == "__main__":

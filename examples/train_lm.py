@@ -28,9 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,48 +124,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------------
 # several processes on this machine
 # ----------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Runs this script as `--num-processes` children on 127.0.0.1; relays process 0's output.
 
     Every child is killed after `--timeout` seconds or as soon as one of them fails, so nothing hangs."""
-    address = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}  # gRPC to 127.0.0.1: no proxy
-    env["PYTHONUNBUFFERED"] = "1"
-    children = []
-    for i in range(args.num_processes):
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--process-id", str(i), "--coordinator", address]
-        children.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.DEVNULL,
-                                         stderr=None if i == 0 else subprocess.PIPE, text=True))
-    deadline = time.monotonic() + args.timeout
-    codes: list[int | None] = [None] * len(children)
-    try:
-        while any(c is None for c in codes):
-            for i, child in enumerate(children):
-                codes[i] = child.poll()
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-            child.wait()
-    for i, child in enumerate(children[1:], start=1):
-        if child.returncode and child.stderr is not None:
-            tail = child.stderr.read()[-4000:]
-            print(f"[process {i}] exited with {child.returncode}:\n{tail}", file=sys.stderr)
-    if any(c is None for c in codes) and not any(c not in (None, 0) for c in codes):
+    from tutel_jax.parallel.local_launch import free_port, run_processes
+    address = f"127.0.0.1:{free_port()}"
+    script = str(Path(__file__).resolve())
+    commands = [[sys.executable, script, *argv, "--process-id", str(i), "--coordinator", address]
+                for i in range(args.num_processes)]
+    results = run_processes(commands, timeout=args.timeout, relay=0, stop_on_failure=True, poll_s=0.2)
+    failed = [(i, r) for i, r in enumerate(results) if r.returncode]
+    for i, r in failed:
+        if i != 0:
+            print(f"[process {i}] exited with {r.returncode}:\n{r.output[-4000:]}", file=sys.stderr)
+    if failed:
+        return failed[0][1].returncode
+    if any(r.killed for r in results):
         print(f"error: the processes did not finish within --timeout {args.timeout:g} s; stopped them",
               file=sys.stderr)
         return 124
-    return next((c for c in (child.returncode for child in children) if c), 0)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -116,23 +116,19 @@ def _slot_owner(slots: jax.Array, num_slots: int) -> jax.Array:
 
 
 def encode_reference(x: jax.Array, weights: jax.Array, slots: jax.Array, num_slots: int) -> jax.Array:
-    """XLA encode: [S, M] -> [num_slots, M] (tutel_jax.dispatch's forward)."""
-    k, num_tokens = weights.shape
-    owner = _slot_owner(slots, num_slots)
-    token = jnp.where(owner < k * num_tokens, owner % num_tokens, num_tokens)
-    rows = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
-    w = jnp.take(weights.reshape(-1), owner, mode="fill", fill_value=0)
-    return rows * w[:, None].astype(rows.dtype)
+    """XLA encode: [S, M] -> [num_slots, M]; `tutel_jax.dispatch.encode` (the library's gathers are the
+    reference the kernels must equal)."""
+    from tutel_jax.dispatch import encode  # lazy: this package imports without the library loaded
+
+    return encode(x, weights, slots, num_slots)
 
 
 def decode_reference(data: jax.Array, weights: jax.Array, slots: jax.Array) -> jax.Array:
-    """XLA decode: [num_slots, M] -> [S, M], summed in choice order in data's dtype (like Tutel)."""
-    out = None
-    for j in range(weights.shape[0]):
-        rows = jnp.take(data, slots[j], axis=0, mode="fill", fill_value=0)
-        term = rows * weights[j][:, None].astype(rows.dtype)
-        out = term if out is None else out + term
-    return out
+    """XLA decode: [num_slots, M] -> [S, M], summed in choice order in data's dtype (like Tutel);
+    `tutel_jax.dispatch.decode`."""
+    from tutel_jax.dispatch import decode
+
+    return decode(data, weights, slots)
 
 
 def row_dots_reference(a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:

@@ -159,20 +159,11 @@ jax.tree_util.register_dataclass(
 
 def slot_positions_reference(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
                              ) -> tuple[jax.Array, jax.Array]:
-    """Tutel's slots ([k, S] int32) and per-expert counts ([E] int32); the algorithm of
-    `tutel_jax.routing.plan.slot_positions` (a stable sort of the choice-major assignment list)."""
-    k, num_tokens = expert_ids.shape
-    expert_ids = expert_ids.astype(jnp.int32)
-    ordered = expert_ids if priority_order is None else expert_ids[:, priority_order]
-    flat = ordered.reshape(-1)  # choice-major, then placement order: Tutel's precedence
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    starts = jnp.cumsum(counts) - counts
-    order = jnp.argsort(flat, stable=True)
-    rank = jnp.zeros((k * num_tokens,), jnp.int32).at[order].set(jnp.arange(k * num_tokens, dtype=jnp.int32))
-    slots = (rank - starts[flat]).reshape(k, num_tokens)
-    if priority_order is not None:
-        slots = jnp.zeros_like(slots).at[:, priority_order].set(slots)
-    return slots, counts
+    """Tutel's slots ([k, S] int32) and per-expert counts ([E] int32): `tutel_jax.routing.plan.slot_positions`
+    (a stable sort of the choice-major assignment list), the reference the slot kernel must equal."""
+    from tutel_jax.routing.plan import slot_positions  # lazy: this package imports without the library loaded
+
+    return slot_positions(expert_ids.astype(jnp.int32), num_experts, priority_order)
 
 
 def _group_limit_reference(sel: jax.Array, n_group: int, topk_group: int, fill: float) -> jax.Array:

@@ -16,17 +16,16 @@ Every subprocess runs under a deadline and is killed in a `finally`, so a hang f
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tutel_jax.parallel.local_launch import ProcessResult, child_env, free_port, run_processes
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_distributed.py"
@@ -39,84 +38,29 @@ CONFIG = ["--batch_per_device", "2", "--num_tokens", "16", "--model_dim", "32", 
 NUM_STEPS = 8
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _losses(result: ProcessResult) -> list[float]:
+    steps = STEP_RE.findall(result.output)
+    assert [int(i) for i, _ in steps] == list(range(len(steps))), result.output
+    return [float(loss) for _, loss in steps]
 
 
-def _child_env() -> dict[str, str]:
-    """CPU only; no inherited proxy settings (gRPC to 127.0.0.1 must not go through a proxy) or JAX cluster vars."""
-    env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS"):
-        env.pop(name, None)  # (XLA_FLAGS may stay: --local_devices replaces its device count)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-class Result:
-    def __init__(self, returncode: int | None, output: str, exit_time: float | None):
-        self.returncode = returncode  # None: still running at the deadline (then killed)
-        self.output = output
-        self.exit_time = exit_time  # time.monotonic() when the exit was observed
-
-    def losses(self) -> list[float]:
-        steps = STEP_RE.findall(self.output)
-        assert [int(i) for i, _ in steps] == list(range(len(steps))), self.output
-        return [float(loss) for _, loss in steps]
-
-
-def launch(commands: list[list[str]], deadline_s: float = DEADLINE_S) -> tuple[list[Result], float]:
-    """Starts all commands at once, waits for all of them (at most `deadline_s`), kills what is left.
-
-    Returns (one Result per command, wall time). Output goes to temporary files, not pipes, so a chatty
-    process can never block on a full pipe.
-    """
-    env = _child_env()
-    procs: list[subprocess.Popen] = []
-    logs = []
-    exit_times: list[float | None] = [None] * len(commands)
+def launch(commands: list[list[str]], deadline_s: float = DEADLINE_S) -> tuple[list[ProcessResult], float]:
+    """Starts all commands of the example at once, waits for all of them (at most `deadline_s`), kills what is
+    left (`local_launch.run_processes`). Returns (one ProcessResult per command, wall time)."""
+    # CPU only; (XLA_FLAGS may stay: --local_devices replaces its device count)
+    env = child_env(JAX_PLATFORMS="cpu")
     start = time.monotonic()
-    try:
-        for cmd in commands:
-            log = tempfile.TemporaryFile(mode="w+")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *cmd], cwd=REPO, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        while time.monotonic() - start < deadline_s:
-            for i, proc in enumerate(procs):
-                if exit_times[i] is None and proc.poll() is not None:
-                    exit_times[i] = time.monotonic()
-            if all(t is not None for t in exit_times):
-                break
-            time.sleep(0.1)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - a process that ignores SIGKILL
-                pass
-    wall = time.monotonic() - start
-    results = []
-    for i, log in enumerate(logs):
-        log.seek(0)
-        output = log.read()
-        log.close()
-        code = procs[i].returncode if exit_times[i] is not None else None
-        results.append(Result(code, output, exit_times[i]))
-    return results, wall
+    results = run_processes([[sys.executable, str(SCRIPT), *cmd] for cmd in commands], timeout=deadline_s,
+                            env=env, cwd=REPO)
+    return results, time.monotonic() - start
 
 
-def _describe(results: list[Result]) -> str:
+def _describe(results: list[ProcessResult]) -> str:
     return "\n".join(f"--- process {i}: returncode {r.returncode}\n{r.output[-4000:]}" for i, r in enumerate(results))
 
 
 def two_process_commands(extra: list[list[str]], common: list[str]) -> list[list[str]]:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     return [["--coordinator_address", address, "--num_processes", "2", "--process_id", str(pid),
              "--local_devices", "4", *CONFIG, *common, *extra[pid]] for pid in range(2)]
 
@@ -132,7 +76,7 @@ def test_two_processes_match_one_process() -> None:
     for r in multi:
         assert "8 global" in r.output and "experts: 16" in r.output, r.output
         assert "done" in r.output, r.output
-    losses0, losses1, reference = multi[0].losses(), multi[1].losses(), single[0].losses()
+    losses0, losses1, reference = _losses(multi[0]), _losses(multi[1]), _losses(single[0])
     assert len(reference) == NUM_STEPS and np.all(np.isfinite(reference)), single[0].output
     assert reference[-1] < reference[0], f"loss does not decrease: {reference}"
     # the loss is a replicated global value: both processes report it
@@ -158,7 +102,7 @@ def test_dead_process_does_not_hang(dying: int) -> None:
     assert "--fail_at_step 1" in dead.output, _describe(results)
     assert alive.returncode != 0, _describe(results)
     assert "done" not in alive.output, _describe(results)
-    assert len(alive.losses()) <= 1, _describe(results)  # step 1 needs the dead process: it never finishes
+    assert len(_losses(alive)) <= 1, _describe(results)  # step 1 needs the dead process: it never finishes
     # the survivor says which process stopped (not only gloo's "collective mismatch" or JAX's abort)
     stopped = re.compile(rf"^\[process {survivor}\] error: process {dying}( \(the coordinator\))? stopped during "
                          r"step 1; stopping$", re.MULTILINE)
@@ -235,7 +179,7 @@ def test_coordinator_check_and_find_stopped_processes() -> None:
         # a survivor whose coordinator is alive: only what the log names
         assert find_stopped_processes(process_id=1, coordinator_address=live, log_text=COORDINATOR_DIED_LOG) == []
         assert find_stopped_processes(process_id=0, coordinator_address=live, log_text=WORKER_DIED_LOG) == [1]
-    dead = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     assert not coordinator_reachable(dead)
     assert find_stopped_processes(process_id=1, coordinator_address=dead, log_text=COORDINATOR_DIED_LOG) == [0]
     assert find_stopped_processes(process_id=2, coordinator_address=dead, log_text=WORKER_DIED_LOG) == [0, 1]
@@ -254,7 +198,7 @@ def test_supervisor_names_the_stopped_process(capsys) -> None:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     abort = -signal.SIGABRT
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     status = {"process": "1", "coordinator": dead, "phase": "step 1"}
     assert example.explain_child_failure(abort, status, COORDINATOR_DIED_LOG) == 4
     assert capsys.readouterr().err == "[process 1] error: process 0 (the coordinator) stopped during step 1; stopping\n"

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .autotune import Autotuner, Candidate, DecisionLog, Measurement, Sample, metrics_load_ratio
+from .autotune import Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, metrics_load_ratio
 from .checkpoint.orbax_io import restore_checkpoint, save_checkpoint
 from .config import MoEConfig
 from .layer import MoEAux
@@ -128,30 +128,51 @@ class CacheInfo:
 
 @dataclasses.dataclass(frozen=True)
 class AutotuneReport:
-    """What `MoETrainer.autotune` did.
+    """What `MoETrainer.autotune` did: the tuner's `autotune.Decision` plus what the trainer adds.
 
     Attributes:
-      chosen: the runtime config now running (adaptive_r resolved); label: its candidate's label.
-      default: the first valid candidate's runtime config (what runs without tuning).
-      speedup: the default's median step time / the chosen one's (>= 1).
-      measurements: every valid candidate's (`autotune.Measurement`: step seconds, compile seconds, load ratios).
-      skipped: (label, reason) of each invalid candidate (strict=False).
-      band: the armed capacity band (low, high) of the load ratio, or None (fixed capacity or no ratios).
+      chosen: the runtime config now running (adaptive_r resolved).
+      decision: the tuner's decision (chosen / default measurement, every measurement, skipped, band, reason).
       steps: training steps taken while tuning (warmup + measured, over all candidates).
       compile_s: seconds spent compiling while tuning (not part of any step time).
-      reason: why the chosen one (the log's 'choose' reason).
+    Properties (from the decision): label (the chosen candidate's), default (the first valid candidate's
+    runtime config: what runs without tuning), speedup (the default's median step time / the chosen one's,
+    >= 1), measurements (`autotune.Measurement` per valid candidate), skipped ((label, reason) per invalid
+    candidate, strict=False), band (the armed capacity band of the load ratio, or None), reason.
     """
 
     chosen: RuntimeConfig
-    label: str
-    default: RuntimeConfig
-    speedup: float
-    measurements: tuple[Measurement, ...]
-    skipped: tuple[tuple[str, str], ...]
-    band: tuple[float, float] | None
+    decision: Decision
     steps: int
     compile_s: float
-    reason: str
+
+    @property
+    def label(self) -> str:
+        return self.decision.chosen.candidate.label
+
+    @property
+    def default(self) -> RuntimeConfig:
+        return self.decision.default.candidate.runtime
+
+    @property
+    def speedup(self) -> float:
+        return self.decision.speedup
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        return self.decision.measurements
+
+    @property
+    def skipped(self) -> tuple[tuple[str, str], ...]:
+        return tuple((c.label, why) for c, why in self.decision.skipped)
+
+    @property
+    def band(self) -> tuple[float, float] | None:
+        return self.decision.band
+
+    @property
+    def reason(self) -> str:
+        return self.decision.reason
 
     def as_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.describe(), "label": self.label, "default": self.default.describe(),
@@ -527,11 +548,7 @@ class MoETrainer:
                               follows_routing=self._follows_routing)
         self.switch(decision.chosen.candidate.runtime)
         self._autotuner = tuner
-        return AutotuneReport(
-            chosen=self.runtime, label=decision.chosen.candidate.label, default=decision.default.candidate.runtime,
-            speedup=decision.speedup, measurements=decision.measurements,
-            skipped=tuple((c.label, why) for c, why in decision.skipped), band=decision.band, steps=steps[0],
-            compile_s=compile_total[0], reason=decision.reason)
+        return AutotuneReport(chosen=self.runtime, decision=decision, steps=steps[0], compile_s=compile_total[0])
 
     def observe_routing(self, metrics: dict) -> bool:
         """Feeds a step's metrics to the last autotune's capacity band; True when a retune is due (then call
