@@ -3,7 +3,7 @@
 `run_processes` starts every command at once and waits for them, and kills whatever is still running at the
 deadline (or, with `stop_on_failure`, as soon as one of them fails), in a `finally`: a hung collective never
 hangs the caller. Output goes to temporary files rather than pipes, so a chatty child can never block on a full
-pipe. Standard library only: the parent need not import JAX.
+pipe. The module itself uses only the standard library.
 """
 
 from __future__ import annotations
