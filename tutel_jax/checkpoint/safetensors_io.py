@@ -46,6 +46,7 @@ DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"), "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8"),
     "BOOL": np.dtype("?"),
 }
+_DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
 _CHECK_CHUNK_BYTES = 1 << 20  # the finite check copies and checks this much at a time (stays in cache)
 
@@ -234,18 +235,34 @@ class SafetensorsFile(Mapping):
         src = np.frombuffer(self._mm, dtype=dtype, count=n, offset=begin)
         rule = _nonfinite_rule(name, dtype) if self.check_finite else None
         if rule is None:
-            return src.reshape(shape).copy()
+            out = src.reshape(shape).copy()
+            del src
+            self._release(begin, end)
+            return out
         out = np.empty(n, dtype)
         try:
             bad = _scan(rule, out, src.view(f"<u{dtype.itemsize}")) if n else 0
         finally:
             del src  # no view of the mmap may outlive this call (close() would fail on it)
+            self._release(begin, end)
         if bad:
             raise NonFiniteTensorError(
                 f"{self.path}: tensor {name!r} ({dtype.name} {list(shape)}) has {bad} non-finite value(s) of {n} "
                 f"({rule[2]}); the file is corrupt (flipped bits?). Pass check_finite=False to load it anyway",
                 self.path, name, bad)
         return out.reshape(shape)
+
+    def _release(self, begin: int, end: int) -> None:
+        """Drops the mapped pages of bytes [begin, end) from this process (they stay in the page cache), so a
+        tensor copied out of the mmap is not held twice: peak memory while loading stays near the loaded size."""
+        if hasattr(mmap, "MADV_DONTNEED") and end > begin:
+            start = begin - begin % mmap.PAGESIZE
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype code, shape) of tensor `name` from the header (nothing is read)."""
+        dtype, shape, _, _ = self._entry(name)
+        return _DTYPE_CODES[dtype], shape
 
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:
@@ -287,6 +304,13 @@ class Checkpoint(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...], Path]:
+        """(safetensors dtype code, shape, file) of tensor `name`, from its shard's header (nothing is read)."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        f = self._files[self._where[name]]
+        return f.info(name) + (f.path,)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -28,6 +28,7 @@ from .attention import cache_dims, gqa_attention, mla_attention
 from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
 from .hf_tables import load_params
 from .placement import MeshPlacement
+from .quant_layout import check_checkpoint_header
 from .layers import AttnContext, linear, rms_norm, rope_cos_sin, swiglu_mlp
 from .spec import DecoderSpec, spec_from_config
 
@@ -187,6 +188,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     check_quantization_config(config)
     ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
+        if tensors is None:
+            check_checkpoint_header(ckpt, config)  # dtypes and shapes, before any tensor is read
         source = ckpt
         if is_quantized(config):
             source = QuantizedTensors(ckpt, config)

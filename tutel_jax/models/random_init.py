@@ -6,14 +6,13 @@ norm weight 1, every bias 0.
     params, moe_configs = hf_tables.load_params(tensors, config, spec_from_config(config))
 
 Names and shapes come from the family tables (`hf_tables.attention_table` / `expected_shapes`, the family's
-FFN prefix, router, per-expert and shared-expert names), so every family whose MoE block is one router weight
-[E, M] plus per-expert SwiGLU experts (and optionally shared experts) is covered: qwen3_moe, qwen2_moe, olmoe,
-mixtral. Dense layers (e.g. qwen3_moe's mlp_only_layers) get `{gate,up,down}_proj` of width intermediate_size;
+FFN prefix, router tensors, per-expert, fused (GPT-OSS) and shared-expert names), so every registered family is
+covered, MLA (DeepSeek-V3) and attention sinks included. Dense layers (e.g. qwen3_moe's mlp_only_layers) get `{gate,up,down}_proj` of width intermediate_size;
 tied embeddings (tie_word_embeddings) write no lm_head.
 
 Deterministic per seed: one `np.random.default_rng(seed)` draws the matrices in `hf_tensor_shapes` order
-(embedding, lm_head, then per layer: attention q, k, v, o, the router, experts 0..E-1 each gate, up, down, the
-shared experts), float32 `standard_normal * initializer_range`, then cast to `dtype`.
+(embedding, lm_head, then per layer: attention, the router tensors, the experts (0..E-1 each gate, up, down, or
+the fused tensors), the shared experts), float32 `standard_normal * initializer_range`, then cast to `dtype`.
 """
 
 from __future__ import annotations
@@ -37,43 +36,37 @@ NORMAL, ONES, ZEROS = "normal", "ones", "zeros"
 
 
 def _init_kind(name: str) -> str:
-    """How HF initialises the tensor `name`: biases 0, norm weights 1, every other weight N(0, std)."""
-    if name.endswith(".bias"):
+    """How HF initialises the tensor `name`: biases 0 (`.bias`, and GPT-OSS's fused `*_bias` / DeepSeek's
+    `e_score_correction_bias`), norm weights 1, every other weight N(0, std)."""
+    if name.endswith((".bias", "_bias")):
         return ZEROS
     return ONES if "norm" in name.rsplit(".", 2)[-2] else NORMAL
 
 
-def _check_supported(config: Mapping[str, Any]) -> None:
-    family = family_of(config)  # ValueError for an unknown model_type
-    if config.get("quantization_config"):
-        raise ValueError("random_hf_tensors: config has a quantization_config; only float checkpoints are drawn")
-    why = []
-    if family.mla is not None:
-        why.append("multi-head latent attention")
-    if family.sinks:
-        why.append("attention sinks")
-    if family.fused_experts is not None:
-        why.append("fused expert tensors")
-    if set(family.router_tensors) != {"weight"} or family.optional_router_tensors:
-        why.append(f"router tensors {sorted(family.router_tensor_names())} (only one router weight is drawn)")
-    if why:
-        raise ValueError(f"random_hf_tensors: model_type {config.get('model_type')!r} is not supported ("
-                         f"{', '.join(why)}); supported: families with one router weight [E, M] and per-expert "
-                         "SwiGLU experts (qwen3_moe, qwen2_moe, olmoe, mixtral)")
+def _fused_expert_shapes(name: str, experts: int, hidden: int, inter: int) -> tuple[int, ...]:
+    """GPT-OSS's fused expert tensors in HF's float layout: gate_up_proj [E, M, 2I] (+ bias [E, 2I]),
+    down_proj [E, I, M] (+ bias [E, M])."""
+    shapes = {"gate_up_proj": (experts, hidden, 2 * inter), "gate_up_proj_bias": (experts, 2 * inter),
+              "down_proj": (experts, inter, hidden), "down_proj_bias": (experts, hidden)}
+    if name not in shapes:
+        raise ValueError(f"hf_tensor_shapes: unknown fused expert tensor {name!r} (known: {sorted(shapes)})")
+    return shapes[name]
 
 
 def hf_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """{on-disk name: shape ([out, in] for linears)} of every tensor of a float checkpoint of `config`
-    (config.json as a dict), in the order `random_hf_tensors` draws them.
+    (config.json as a dict), in the order `random_hf_tensors` draws them: embedding, lm_head, final norm, then
+    per layer its attention (GQA or MLA, biases, sinks), norms, and its dense MLP or MoE block (router
+    tensors, per-expert or fused experts, shared experts). Every registered family; for a quantized config the
+    float (logical) layout, which `quant_layout.quantized_tensor_infos` turns into the packed one.
 
-    Raises ValueError for an unknown or unsupported model_type (see the module docstring) or a quantized config.
+    Raises ValueError for an unknown model_type or a config missing a key.
     """
-    _check_supported(config)
+    family = family_of(config)  # ValueError for an unknown model_type
     try:
         spec = spec_from_config(config)
     except KeyError as e:
-        raise ValueError(f"random_hf_tensors: config is missing key {e.args[0]!r}") from None
-    family = family_of(config)
+        raise ValueError(f"hf_tensor_shapes: config is missing key {e.args[0]!r}") from None
     shapes = expected_shapes(spec, config)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": shapes["embed"]}
     if not spec.tie_word_embeddings:
@@ -90,12 +83,16 @@ def hf_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         if spec.ffn[i] == "dense":
             out.update({f"{ffn}{k}.weight": shapes[f"mlp.{k}"] for k in ("gate_proj", "up_proj", "down_proj")})
             continue
-        out[ffn + family.router_tensors["weight"]] = (E, M)
-        gate, up, down = family.expert_names
-        for e in range(E):
-            x = f"{ffn}experts.{e}."
-            out.update({f"{x}{gate}.weight": (inter, M), f"{x}{up}.weight": (inter, M),
-                        f"{x}{down}.weight": (M, inter)})
+        for ours, disk in family.router_tensor_names().items():
+            out[ffn + disk] = (E, M) if ours == "weight" else (E,)
+        if family.fused_experts is not None:
+            out.update({f"{ffn}experts.{n}": _fused_expert_shapes(n, E, M, inter) for n in family.fused_experts})
+        else:
+            gate, up, down = family.expert_names
+            for e in range(E):
+                x = f"{ffn}experts.{e}."
+                out.update({f"{x}{gate}.weight": (inter, M), f"{x}{up}.weight": (inter, M),
+                            f"{x}{down}.weight": (M, inter)})
         if shared is not None:
             s = ffn + shared.prefix
             out.update({f"{s}gate_proj.weight": (shared.hidden_size, M), f"{s}up_proj.weight": (shared.hidden_size, M),
@@ -122,6 +119,8 @@ def random_hf_tensors(config: Mapping[str, Any], seed: int = 0, dtype: Any = np.
     std = config.get("initializer_range", 0.02)
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not (math.isfinite(std) and std > 0):
         raise ValueError(f"random_hf_tensors: config initializer_range must be a positive number, got {std!r}")
+    if config.get("quantization_config"):
+        raise ValueError("random_hf_tensors: config has a quantization_config; only float checkpoints are drawn")
     shapes = hf_tensor_shapes(config)
     rng = np.random.default_rng(seed)
     out = {}

@@ -1,0 +1,337 @@
+"""Real-size MoE checkpoints on this machine: load, memory, compile time against depth, TTFT and decode speed
+against the memory roofline.
+
+    python benchmarks/make_real_size.py gpt-oss-20b          # once: the checkpoint (~13.8 GB, outside the repo)
+    python benchmarks/real_size.py [--models gpt-oss-20b ...] [--cache-dir D] [--quick] [--out F.json]
+
+Each model runs in its own child process (so its peak RSS is its own), alone, in this order:
+  disk    the shards' bytes read once from a cold page cache (`posix_fadvise(DONTNEED)` first), GB/s;
+  load    `from_pretrained(dtype=bfloat16)` from a cold page cache again: seconds, resident bytes
+          (`memory_report(model).total_bytes`) and the process's peak RSS (VmHWM), against the bound
+          1.15 x resident + 1 GiB;
+  compile the jitted one-token decode step (KV cache of --max-len) lowered and compiled for the first 4, 12
+          and 24 layers (as many as the model has), seconds;
+  TTFT    a --prompt-len prompt (random ids, batch 1): prefill + the first greedy token, after a compiling run;
+  decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
+  copy    a copy bandwidth (np.copyto of 256 MiB buffers, best of 5; STREAM's convention: bytes read + written
+          per second), with the model resident;
+  roofline  bytes read per decode step / step time / copy bandwidth. Bytes per step: every non-expert weight
+          (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
+          E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).
+`--quick` runs the `-tiny` variants (a few MB; generated into the cache directory when missing) with a short
+prompt: the CI smoke test. Results: benchmarks/results/real_size_cpu.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `tutel_jax` and `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import machine_info, markdown_table, repo_root, write_json, write_text  # noqa: E402
+
+DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "real_size_cpu.json"
+FULL_MODELS = ("gpt-oss-20b", "qwen3-30b-a3b-half", "deepseek-v3-layer")
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the child process measures (see the module docstring)."""
+
+    prompt_len: int = 512
+    decode_steps: int = 4
+    batches: tuple[int, ...] = (1, 8)
+    depths: tuple[int, ...] = (4, 12, 24)
+    max_len: int = 1024
+    copy_mib: int = 256
+
+
+QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32)
+
+
+# ----------------------------------------------------------------------------------------- child measurements
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _drop_page_cache(files: list[Path]) -> None:
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_read_gbps(files: list[Path]) -> tuple[float, int]:
+    """(GB/s, bytes) of reading `files` once, from a cold page cache, into one reused 64 MiB buffer."""
+    _drop_page_cache(files)
+    buf, total = bytearray(64 << 20), 0
+    start = time.perf_counter()
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while (n := f.readinto(buf)):
+                total += n
+    seconds = time.perf_counter() - start
+    _drop_page_cache(files)
+    return total / seconds / 1e9, total
+
+
+def copy_gbps(mib: int) -> float:
+    """STREAM-copy bandwidth (read + written bytes per second) of np.copyto on `mib` MiB buffers, best of 5."""
+    src = np.ones(mib << 18, np.float32)
+    dst = np.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9
+
+
+def _truncated(model: Any, depth: int) -> Any:
+    """The model's first `depth` layers as a CausalLM (same arrays, nothing copied)."""
+    from tutel_jax.models.causal_lm import CausalLM
+    from tutel_jax.models.spec import spec_from_config
+
+    config = dict(model.config, num_hidden_layers=depth)
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:depth]
+    params = dict(model.params, layers=model.params["layers"][:depth])
+    return CausalLM(spec=spec_from_config(config), params=params, moe_configs=model.moe_configs[:depth],
+                    config=config, dtype=model.dtype)
+
+
+class Decoder:
+    """Greedy prefill + decode steps over a static KV cache of `max_len` slots (one jit each)."""
+
+    def __init__(self, model: Any, max_len: int):
+        import jax
+        import jax.numpy as jnp
+
+        from tutel_jax.models.layers import AttnContext
+
+        self.model, self.max_len = model, max_len
+        slots = jnp.arange(max_len)
+
+        def prefill(params, ids, cache):
+            B, T = ids.shape
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.broadcast_to(slots < T, (B, max_len)))
+            logits, cache = model.forward_fn(params, ids, ctx, cache)
+            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
+
+        def step(params, tok, index, cache):
+            B = tok.shape[0]
+            ctx = AttnContext(jnp.full((B, 1), index, jnp.int32), index,
+                              jnp.broadcast_to(slots <= index, (B, max_len)))
+            logits, cache = model.forward_fn(params, tok[:, None], ctx, cache)
+            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
+
+        self.prefill = jax.jit(prefill, donate_argnums=(2,))
+        self.step = jax.jit(step, donate_argnums=(3,))
+
+    def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
+        """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps])."""
+        import jax
+        import jax.numpy as jnp
+
+        cache = self.model.init_cache(ids.shape[0], self.max_len)
+        start = time.perf_counter()
+        tok, cache = self.prefill(self.model.params, jnp.asarray(ids, jnp.int32), cache)
+        tok.block_until_ready()
+        ttft, toks, times = time.perf_counter() - start, [np.asarray(tok)], []
+        for i in range(steps):
+            start = time.perf_counter()
+            tok, cache = self.step(self.model.params, tok, jnp.int32(ids.shape[1] + i), cache)
+            toks.append(np.asarray(jax.block_until_ready(tok)))
+            times.append(time.perf_counter() - start)
+        return ttft, times, np.stack(toks, 1)
+
+
+def decode_bytes(model: Any, batch: int) -> float:
+    """Bytes read by one decode step at `batch` (module docstring): non-expert weights (the embedding's rows
+    only) plus the expected used experts of every MoE layer."""
+    from tutel_jax import quant_weights
+
+    params = model.params
+    total = 0.0
+    for name, value in params.items():
+        if name == "embed":
+            total += batch * value.nbytes / value.shape[0]
+        elif name != "layers":
+            total += quant_weights.resident_bytes(value)
+    for layer, cfg in zip(params["layers"], model.moe_configs):
+        for name, value in layer.items():
+            if name != "moe":
+                total += quant_weights.resident_bytes(value)
+                continue
+            rest = {k: v for k, v in value.items() if k != "experts"}
+            total += quant_weights.resident_bytes(rest)
+            E, k = cfg.num_global_experts, cfg.gates[0].k
+            used = E * (1 - (1 - k / E) ** batch)
+            total += used * quant_weights.resident_bytes(value["experts"]) / E
+    return total
+
+
+def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
+    """Every measurement of the module docstring for one checkpoint directory (run in a fresh process)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tutel_jax.models import from_pretrained
+    from tutel_jax.models.memory import memory_report
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    out: dict[str, Any] = {"model": model_dir.name, "shards": len(files)}
+    out["disk_gbps"], out["checkpoint_bytes"] = disk_read_gbps(files)
+    out["disk_s"] = out["checkpoint_bytes"] / out["disk_gbps"] / 1e9
+    rss_before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    model = from_pretrained(model_dir, dtype=jnp.bfloat16, progress=False)
+    out["load_s"] = time.perf_counter() - start
+    report = memory_report(model)
+    out.update(resident_bytes=report.total_bytes, expert_bytes=report.expert_bytes,
+               rss_before_load_bytes=rss_before * 1024, peak_rss_load_bytes=_status_kib("VmHWM") * 1024)
+    out["rss_bound_bytes"] = 1.15 * report.total_bytes + GiB
+    out["rss_within_bound"] = out["peak_rss_load_bytes"] <= out["rss_bound_bytes"]
+
+    compile_s = {}
+    for depth in settings.depths:
+        if depth > model.spec.num_layers:
+            continue
+        part = _truncated(model, depth)
+        dec = Decoder(part, settings.max_len)
+        cache = jax.eval_shape(lambda: part.init_cache(1, settings.max_len))
+        start = time.perf_counter()
+        dec.step.lower(part.params, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                       cache).compile()
+        compile_s[depth] = time.perf_counter() - start
+    out["compile_s"] = compile_s
+
+    rng = np.random.default_rng(0)
+    vocab = model.spec.vocab_size
+    dec = Decoder(model, settings.max_len)
+    prompt = rng.integers(0, vocab, (1, settings.prompt_len))
+    dec.run(prompt, 0)  # compiles the prefill
+    out["ttft_s"] = dec.run(prompt, 0)[0]
+    out["prompt_len"] = settings.prompt_len
+    decode = {}
+    for batch in settings.batches:
+        ids = rng.integers(0, vocab, (batch, 16))
+        dec.run(ids, 1)  # compiles both programs at this batch
+        _, times, _ = dec.run(ids, settings.decode_steps)
+        step_s = float(np.median(times))
+        decode[batch] = {"step_s": step_s, "tokens_per_s": batch / step_s, "bytes_per_step": decode_bytes(model, batch)}
+    out["decode"] = decode
+    out["peak_rss_bytes"] = _status_kib("VmHWM") * 1024
+    out["copy_gbps"] = copy_gbps(settings.copy_mib)
+    for d in decode.values():
+        d["roofline_ratio"] = d["bytes_per_step"] / d["step_s"] / (out["copy_gbps"] * 1e9)
+    out["expert_formats"] = list(report.formats)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+def _child(model_dir: Path, settings: Settings, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir), "--child-out", str(result),
+               "--settings", json.dumps(dataclasses.asdict(settings))]
+        done = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-30:])
+            raise RuntimeError(f"measuring {model_dir.name} failed (exit {done.returncode}):\n{tail}")
+        return json.loads(result.read_text())
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    rows = []
+    for r in results:
+        d1, d8 = r["decode"].get("1", {}), r["decode"].get("8", {})
+        compile_s = ", ".join(f"{k}: {v:.1f}" for k, v in r["compile_s"].items())
+        rows.append([r["model"], _gb(r["resident_bytes"]), _gb(r["peak_rss_load_bytes"]),
+                     f"{r['load_s']:.1f} ({r['disk_s']:.1f})", compile_s, f"{r['ttft_s']:.2f}",
+                     f"{d1.get('tokens_per_s', float('nan')):.2f}", f"{d8.get('tokens_per_s', float('nan')):.2f}",
+                     f"{d1.get('roofline_ratio', float('nan')):.3f}"])
+    table = markdown_table(["model", "resident GB", "peak RSS GB (load)", "load s (disk read s)",
+                            "compile s by layers", f"TTFT s ({results[0]['prompt_len']} tokens)",
+                            "decode tok/s b=1", "decode tok/s b=8", "roofline ratio b=1"], rows)
+    head = (f"Measured on {info.get('backend', 'cpu')} ({info.get('cpu_count')} CPUs), jax {info.get('jax_version')}, "
+            f"{info.get('date')}. bfloat16 dense weights, experts packed as stored. Roofline ratio: bytes read per "
+            "decode step / step time / copy bandwidth (copy: "
+            + ", ".join(f"{r['model']} {r['copy_gbps']:.1f} GB/s" for r in results) + ").")
+    checks = "; ".join(f"{r['model']}: peak RSS {_gb(r['peak_rss_load_bytes'])} GB "
+                       f"{'<=' if r['rss_within_bound'] else '>'} bound {_gb(r['rss_bound_bytes'])} GB"
+                       for r in results)
+    return f"{head}\n\n{table}\n\nLoad memory bound (1.15 x resident + 1 GiB): {checks}.\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=None, help=f"default: {' '.join(FULL_MODELS)}")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="the -tiny variants, short prompt (smoke test)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per model")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        raw = json.loads(args.settings)
+        settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        args.child_out.write_text(json.dumps(measure(args.child, settings)))
+        return 0
+
+    from benchmarks import make_real_size
+
+    settings = QUICK if args.quick else Settings()
+    names = args.models or [m + ("-tiny" if args.quick else "") for m in FULL_MODELS]
+    unknown = [m for m in names if m not in make_real_size.MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {sorted(make_real_size.MODELS)}")
+    cache = args.cache_dir or make_real_size.default_cache_dir()
+    results = []
+    for name in names:
+        model_dir = cache / name
+        if not (model_dir / "config.json").is_file():
+            if not name.endswith("-tiny"):
+                parser.error(f"{model_dir}: no checkpoint; run `python benchmarks/make_real_size.py {name}` first")
+            make_real_size.make_model(name, cache, progress=False)
+        print(f"measuring {name} ...", flush=True)
+        results.append(_child(model_dir, settings, args.timeout))
+        print(json.dumps(results[-1]), flush=True)
+    info = machine_info()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, {"machine": info, "settings": dataclasses.asdict(settings), "results": results})
+    write_text(args.out.with_suffix(".md"), markdown(results, info))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
