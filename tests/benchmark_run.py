@@ -1,5 +1,6 @@
 """Runs a benchmark script's --quick mode in a subprocess for the smoke tests: CPU only, a deadline, the JSON it
-wrote."""
+wrote. The smoke runs compile without LLVM optimisation (FAST_COMPILE): at their tiny sizes compiling is most of
+their time, and their timings are not asserted."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def with_fast_compile(xla_flags: str) -> str:
+    """`xla_flags` plus FAST_COMPILE."""
+    return f"{xla_flags} {FAST_COMPILE}".strip()
 
 
 def run_quick(name: str, out: Path, *args: str, timeout_s: float = 300, **env: str) -> dict[str, Any]:
     """`python benchmarks/<name>.py --quick --out <out> <args>`; asserts exit 0 and returns the JSON result."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **env)
+    env["XLA_FLAGS"] = with_fast_compile(env.get("XLA_FLAGS", ""))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out),
-                           *args], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", **env), capture_output=True,
-                          text=True, timeout=timeout_s)
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())

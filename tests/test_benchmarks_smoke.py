@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmark_run import with_fast_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, out: Path) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_fast_compile("--xla_force_host_platform_device_count=8"))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
