@@ -19,7 +19,8 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
           (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
           E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).
 `--quick` runs the `-tiny` variants (a few MB; generated into the cache directory when missing) with a short
-prompt: the CI smoke test. Results: benchmarks/results/real_size_cpu.{json,md}.
+prompt: the CI smoke test. Results: benchmarks/results/real_size_cpu.{json,md}; results there for other models,
+measured with the same settings, are kept (each row says its date).
 """
 
 from __future__ import annotations
@@ -280,14 +281,31 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     table = markdown_table(["model", "resident GB", "peak RSS GB (load)", "load s (disk read s)",
                             "compile s by layers", f"TTFT s ({results[0]['prompt_len']} tokens)",
                             "decode tok/s b=1", "decode tok/s b=8", "roofline ratio b=1"], rows)
-    head = (f"Measured on {info.get('backend', 'cpu')} ({info.get('cpu_count')} CPUs), jax {info.get('jax_version')}, "
-            f"{info.get('date')}. bfloat16 dense weights, experts packed as stored. Roofline ratio: bytes read per "
+    dates = ", ".join(f"{r['model']} {r.get('date', info.get('date'))}" for r in results)
+    head = (f"Measured on {info.get('backend', 'cpu')} ({info.get('cpu_count')} CPUs), jax {info.get('jax_version')} "
+            f"({dates}). bfloat16 dense weights, experts packed as stored. Roofline ratio: bytes read per "
             "decode step / step time / copy bandwidth (copy: "
             + ", ".join(f"{r['model']} {r['copy_gbps']:.1f} GB/s" for r in results) + ").")
     checks = "; ".join(f"{r['model']}: peak RSS {_gb(r['peak_rss_load_bytes'])} GB "
                        f"{'<=' if r['rss_within_bound'] else '>'} bound {_gb(r['rss_bound_bytes'])} GB"
                        for r in results)
     return f"{head}\n\n{table}\n\nLoad memory bound (1.15 x resident + 1 GiB): {checks}.\n"
+
+
+def _merged(out: Path, results: list[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
+    """`results` plus the other models' results already in `out` when they were measured with the same
+    settings (one model can be re-measured without re-running the others), in FULL_MODELS order."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return results
+    if old.get("settings") != json.loads(json.dumps(dataclasses.asdict(settings))):
+        return results
+    new = {r["model"] for r in results}
+    kept = [dict(r, date=r.get("date", old.get("machine", {}).get("date")))
+            for r in old.get("results", []) if r.get("model") not in new]
+    order = {m: i for i, m in enumerate(FULL_MODELS)}
+    return sorted(kept + results, key=lambda r: order.get(r["model"].removesuffix("-tiny"), len(order)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(_child(model_dir, settings, args.timeout))
         print(json.dumps(results[-1]), flush=True)
     info = machine_info()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        r["date"] = info["date"]
+    results = _merged(args.out, results, settings)
     write_json(args.out, {"machine": info, "settings": dataclasses.asdict(settings), "results": results})
     write_text(args.out.with_suffix(".md"), markdown(results, info))
     print(args.out.with_suffix(".md").read_text())

@@ -28,7 +28,8 @@
 
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
 'native', or
-'auto' (on CPU 'loop' when k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
+'auto' (on CPU 'loop' when k*S <= 32E or the experts are quantized, else 'bucketed' for experts that have
+`grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
 """
@@ -163,11 +164,14 @@ CPU_LOOP_MAX_ROWS_PER_EXPERT = 32
 
 def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:
     """'auto' on CPU: 'loop' when the k*S assignments are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each
-    used expert's weights read once, idle experts skipped), else 'bucketed' when the experts have `grouped` (for
-    the overflow fallback); 'ragged' on other backends."""
+    used expert's weights read once, idle experts skipped) or whatever the batch when the experts are quantized
+    (`weight_format`: each expert is dequantized on its own, never a whole layer at once), else 'bucketed' when
+    the experts have `grouped` (for the overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
         if jax.default_backend() != "cpu":
             return "ragged"
+        if getattr(experts, "weight_format", None) is not None and experts.supports("grouped"):
+            return "loop"
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"

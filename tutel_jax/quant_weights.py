@@ -71,8 +71,8 @@ def quantize(w: jax.Array, weight_format: str) -> Any:
 
 def to_jax(a: Any, dtype: Any) -> Any:
     """A checkpoint value on the default device: arrays cast to `dtype`, containers with their packed dtypes."""
-    if is_quantized(a):
-        return jax.tree_util.tree_map(jnp.asarray, a)
+    if is_quantized(a):  # device_put: one copy (jnp.asarray without a dtype makes a second, transient one)
+        return jax.tree_util.tree_map(jax.device_put, a)
     return jnp.asarray(a, dtype)
 
 
