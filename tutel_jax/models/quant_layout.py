@@ -111,11 +111,11 @@ def check_checkpoint_header(checkpoint: Any, config: Mapping[str, Any]) -> None:
         layout = checkpoint_layout(config)
     except ValueError:
         return
+    method = (config.get("quantization_config") or {}).get("quant_method", "float")
     for info, role in layout:
         if info.name not in checkpoint:
             continue
         dtype, shape, path = checkpoint.info(info.name)
-        method = (config.get("quantization_config") or {}).get("quant_method", "float")
         if dtype not in ALLOWED_DTYPES[role]:
             raise ValueError(f"{path}: tensor {info.name!r} is {dtype}, but a {config.get('model_type')} "
                              f"{method} checkpoint stores it as {' or '.join(ALLOWED_DTYPES[role])} ({role})")
