@@ -15,7 +15,8 @@ Values: float weights N(0, initializer_range) (norms 1, biases 0); packed E2M1 b
 exponents 118..121 (block scales 2^-9..2^-6, weights of about the trained models' size); FP8 e4m3 weights with
 |w| < 2 (no NaN codes) and block scales in [0.01, 0.03]; NVFP4 e4m3 block scales in [1, 1.875] and a global
 scale of 192. Each tensor draws from its own generator (seed, CRC of its name), so a shard is the same whenever
-it is written. Every shard is written to `.partial` and renamed when complete: an interrupted run resumes at
+it is written. A byte-level tokenizer.json (ids 0..255, with a chat template) lets `tutel-jax serve` and
+`generate` take text. Every shard is written to `.partial` and renamed when complete: an interrupted run resumes at
 the first missing shard. The cache directory is `--cache-dir`, else `$TUTEL_JAX_CACHE/real_size`, else
 `~/.cache/tutel_jax/real_size`, outside the repository.
 """
@@ -39,6 +40,7 @@ from tutel_jax.checkpoint.safetensors_io import DTYPES  # noqa: E402
 from tutel_jax.checkpoint.safetensors_write import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards,  # noqa: E402
                                                     shard_is_complete, write_index, write_shard)
 from tutel_jax.models.quant_layout import checkpoint_layout  # noqa: E402
+from tutel_jax.lm.byte_tokenizer import write_tokenizer  # noqa: E402
 
 __all__ = ["MODELS", "default_cache_dir", "make_model", "model_bytes"]
 
@@ -181,7 +183,8 @@ def model_bytes(name: str) -> int:
 def make_model(name: str, cache_dir: str | os.PathLike | None = None, *, seed: int = 0,
                max_shard_bytes: int = HF_MAX_SHARD_BYTES, progress: bool = True) -> Path:
     """Writes (or completes) model `name` under `cache_dir / name` and returns that directory: config.json,
-    generation_config.json, the shards and, for several shards, the index. Shards already complete are kept."""
+    generation_config.json, a byte-level tokenizer (`tutel_jax.lm.byte_tokenizer`), the shards and, for several
+    shards, the index. Shards already complete are kept."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     from tqdm.auto import tqdm
@@ -203,6 +206,9 @@ def make_model(name: str, cache_dir: str | os.PathLike | None = None, *, seed: i
             write_shard(path, shard, fill)
             bar.update(len(shard.header()))
     write_index(out, shards)
+    # a tokenizer for the server and `generate`: byte-level ids 0..255 (+ a plain-text chat template); the
+    # random model answers with any of its ids, the ones past 255 decode to nothing
+    write_tokenizer(out, model_max_length=int(config.get("max_position_embeddings", 4096)))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: the model is complete

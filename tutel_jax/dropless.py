@@ -21,15 +21,16 @@
 'gather': each of the k*S assignments runs through its own expert's weights, gathered per row
   (`experts.gathered`).
 
-'native': on CPU, the whole routed-experts step in one native call (`tutel_jax.native.moe_swiglu`, C++ through
-  XLA FFI, compiled on first use): the used experts' weights stream once, in memory order, over all cores.
-  SwiGLU experts (silu, float32 or bfloat16 weights); computes in float32; gradients through the 'loop' path.
-  The fastest CPU decode path (XLA:CPU copies every expert chosen at run time before its matmul).
+'native': on CPU, the whole routed-experts step in one native call (`tutel_jax.native.moe_experts`, C++
+  through XLA FFI, compiled on first use): the used experts' weights stream once, in memory order, over all
+  cores, packed ones (FP8 block, MXFP4, NVFP4) decoded in registers. SwiGLU (silu) and GPT-OSS experts, float32,
+  bfloat16 or packed weights; computes in float32; gradients through the 'loop' path. The fastest CPU decode
+  path (XLA:CPU copies every expert chosen at run time before its matmul, and dequantizes packed ones).
 
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
 'native', or
-'auto' (on CPU 'loop' when k*S <= 32E or the experts are quantized, else 'bucketed' for experts that have
-`grouped`, needed by the fallback;
+'auto' (on CPU, quantized experts: 'native' where it can run them, else 'loop'; float experts: 'loop' when
+k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
 """
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 
 from .routing.plan import RoutingPlan, align_capacity
 
-__all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native",
+__all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
            "extend_for_cpu", "register_dropless_path", "resolve_impl", "run_bucketed"]
 
 BUCKET_FACTORS: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
@@ -163,15 +164,17 @@ CPU_LOOP_MAX_ROWS_PER_EXPERT = 32
 
 
 def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:
-    """'auto' on CPU: 'loop' when the k*S assignments are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each
-    used expert's weights read once, idle experts skipped) or whatever the batch when the experts are quantized
-    (`weight_format`: each expert is dequantized on its own, never a whole layer at once), else 'bucketed' when
+    """'auto' on CPU: for quantized experts (`weight_format`) 'native' where the C++ kernel can run them (packed
+    weights decoded in registers, each used expert's bytes read once), else 'loop' (each expert dequantized on
+    its own, never a whole layer at once), whatever the batch; for float experts 'loop' when the k*S assignments
+    are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each used expert's weights read once, idle experts
+    skipped), else 'bucketed' when
     the experts have `grouped` (for the overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
         if jax.default_backend() != "cpu":
             return "ragged"
         if getattr(experts, "weight_format", None) is not None and experts.supports("grouped"):
-            return "loop"
+            return "native" if native_available(experts) else "loop"
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"
@@ -188,18 +191,26 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
 
 
 def check_native(experts: Any) -> None:
-    """Raises ValueError unless dropless_impl='native' can run `experts` here (CPU, unquantized silu SwiGLU), and
-    `native.NativeKernelError` when the kernel cannot be built (it is compiled here on first use)."""
-    from .experts_glu import SwiGLUExperts  # experts_glu imports dispatch; loaded on use
-    from .native.moe_swiglu import ensure_registered
+    """Raises ValueError unless dropless_impl='native' can run `experts` here (CPU, experts with a `native`
+    method: SwiGLU with silu or GPT-OSS, float or packed), and `native.NativeKernelError` when the kernel cannot
+    be built (it is compiled here on first use)."""
+    from .native.moe import ensure_registered
     if jax.default_backend() != "cpu":
         raise ValueError(f"dropless_impl='native' is a CPU kernel; the default backend is {jax.default_backend()!r}")
-    swiglu = type(experts) is SwiGLUExperts
-    if not swiglu or experts.weight_format is not None or experts.activation_fn is not jax.nn.silu:
-        what = type(experts).__name__
-        if swiglu and experts.weight_format is not None:
-            what += f" with weight_format={experts.weight_format!r}"
-        elif swiglu:
-            what += f" with {experts.activation_fn}"
-        raise ValueError(f"dropless_impl='native' runs unquantized SwiGLU experts with silu; got {what}")
+    if not experts.supports("native"):
+        raise ValueError(f"dropless_impl='native' runs SwiGLU (silu) or GPT-OSS experts, float or packed; got "
+                         f"{experts.type_name}")
+    reason = experts.native_unsupported()
+    if reason is not None:
+        raise ValueError(f"dropless_impl='native' cannot run {experts.type_name} with {reason}")
     ensure_registered()
+
+
+def native_available(experts: Any) -> bool:
+    """Whether 'native' can run `experts` here (`check_native` passes, the kernel built)."""
+    from .native import NativeKernelError
+    try:
+        check_native(experts)
+    except (ValueError, NativeKernelError):
+        return False
+    return True

@@ -8,7 +8,7 @@ dropless paths are one registry (`dropless.DROPLESS_PATHS`), filled here:
   bucketed  the capacity path at the smallest static bucket holding every assignment (ragged beyond the ladder)
   loop      the ragged path with the grouped matmul as a loop over the used experts (`expert_loop`)
   gather    each assignment through its own expert's gathered weights (`experts.gathered`)
-  native    the C++ CPU kernel (`native.moe_swiglu`), gradients through 'loop'
+  native    the C++ CPU kernel (`experts.native` -> `native.moe_experts`), gradients through 'loop'
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, dropless, expert_loop, native
+from . import dispatch, dropless, expert_loop
 from .config import MoEConfig
 from .dropless import DroplessPath, register_dropless_path
 from .routing.plan import RoutingPlan
@@ -102,11 +102,11 @@ def _looped(expert_params, x, plan: RoutingPlan, config: MoEConfig, spread: int 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _run_native(config: MoEConfig, expert_params, x, plan: RoutingPlan) -> jax.Array:
-    """Dropless through the native CPU kernel (`tutel_jax.native.moe_swiglu`: float32 compute), in the gates'
-    dtype like the other paths. Gradients: the 'loop' path's VJP (the kernel is a serving path)."""
+    """Dropless through the native CPU kernel (`experts.native` -> `tutel_jax.native.moe_experts`: float32
+    compute, packed weights decoded in registers), in the gates' dtype like the other paths. Gradients: the
+    'loop' path's VJP (the kernel is a serving path)."""
     enc, dec = dispatch.assignment_weights(plan, config.is_postscore)
-    y = native.moe_swiglu(x, plan.expert_ids, enc, dec, expert_params["gate_up_proj"], expert_params["down_proj"])
-    return y.astype(plan.gates.dtype)
+    return config.experts.native(expert_params, x, plan.expert_ids, enc, dec).astype(plan.gates.dtype)
 
 
 def _run_native_fwd(config, expert_params, x, plan):

@@ -7,8 +7,9 @@ on the base class, with a default:
   grouped(params, x[T, M], group_sizes[E]) -> [T, M_out]     (dropless; rows sorted by expert)  None: absent
   gathered(params, x[R, M], expert_ids[R]) -> [R, M_out]     (dropless 'gather': row r via expert ids[r])
   hidden_axes(params) -> same pytree of ints / None          (sharded experts)                  None: absent
+  native(params, x[S, M], ids, enc, dec [K, S]) -> [S, M_out] (dropless 'native': the C++ CPU kernel) None: absent
   output_dim (None: model_dim), kernel_backend (None), hidden_size_per_expert (None), num_local_experts (1)
-  supports(name) -> whether the optional method `name` ('grouped', 'gathered', 'hidden_axes') is there.
+  supports(name) -> whether the optional method `name` ('grouped', 'gathered', 'hidden_axes', 'native') is there.
 `hidden_axes` names, per parameter, the axis that indexes hidden units (so an expert can be split over devices:
 sharded experts); None marks an output bias, added once.
 
@@ -59,7 +60,7 @@ def _activation(fn: str | Callable | None, default: str) -> Callable[[jax.Array]
     return fn
 
 
-OPTIONAL_METHODS = ("grouped", "gathered", "hidden_axes")
+OPTIONAL_METHODS = ("grouped", "gathered", "hidden_axes", "native")
 
 
 @runtime_checkable
@@ -74,12 +75,13 @@ class MinimalExperts(Protocol):
 class Experts:
     """The expert contract: every member the layer reads, with its default (see the module docstring).
 
-    `grouped`, `gathered` and `hidden_axes` are None unless a subclass defines them (methods); callers test
-    `experts.grouped is not None` or `experts.supports('grouped')`."""
+    `grouped`, `gathered`, `hidden_axes` and `native` are None unless a subclass defines them (methods); callers
+    test `experts.grouped is not None` or `experts.supports('grouped')`."""
 
     grouped: ClassVar[Callable[..., jax.Array] | None] = None
     gathered: ClassVar[Callable[..., jax.Array] | None] = None
     hidden_axes: ClassVar[Callable[[Any], Any] | None] = None
+    native: ClassVar[Callable[..., jax.Array] | None] = None
     output_dim: int | None = None  # None: the layer's model_dim
     kernel_backend: str | None = None  # grouped matmuls: None = lax.ragged_dot, else a pallas_kernels implementation
     hidden_size_per_expert: int | None = None
@@ -91,8 +93,12 @@ class Experts:
     def batched(self, params: Any, x: jax.Array) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__}.batched")
 
+    def native_unsupported(self) -> str | None:
+        """Why `native` cannot run these experts as configured (None: it can, when the class has it)."""
+        return None
+
     def supports(self, method: str) -> bool:
-        """Whether the optional method `method` ('grouped', 'gathered', 'hidden_axes') is available."""
+        """Whether the optional method `method` ('grouped', 'gathered', 'hidden_axes', 'native') is available."""
         if method not in OPTIONAL_METHODS:
             raise ValueError(f"supports(): one of {OPTIONAL_METHODS}, got {method!r}")
         return callable(getattr(self, method))

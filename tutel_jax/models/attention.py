@@ -54,10 +54,10 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     if "qkv_proj" in p:
-        qkv = linear(x, p["qkv_proj"], p.get("qkv_bias"))
+        qkv = linear(x, p["qkv_proj"], p.get("qkv_bias"), spec.dense_impl)
         q, k, v = jnp.split(qkv, [H * D, (H + Hkv) * D], axis=-1)
     else:
-        q, k, v = (linear(x, p[f"{n}_proj"], p.get(f"{n}_bias")) for n in "qkv")
+        q, k, v = (linear(x, p[f"{n}_proj"], p.get(f"{n}_bias"), spec.dense_impl) for n in "qkv")
     if spec.qk_norm == "projection":  # OLMoE: over the whole q / k projection, before the split into heads
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
@@ -66,7 +66,7 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
     k, v, cache = _with_cache(k, v, cache, ctx)
     o = attend(q, k, v, ctx, D ** -0.5, window=spec.windows[layer], sinks=p.get("sinks"))
-    return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias")), cache
+    return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias"), spec.dense_impl), cache
 
 
 def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
@@ -76,14 +76,15 @@ def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     B, T, _ = x.shape
     H = spec.num_heads
     if "q_a_proj" in p:
-        q = linear(rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], spec.eps), p["q_b_proj"])
+        q = linear(rms_norm(linear(x, p["q_a_proj"], impl=spec.dense_impl), p["q_a_layernorm"], spec.eps),
+                   p["q_b_proj"], impl=spec.dense_impl)
     else:
-        q = linear(x, p["q_proj"])
+        q = linear(x, p["q_proj"], impl=spec.dense_impl)
     q = q.reshape(B, T, H, m.qk_nope_dim + m.qk_rope_dim)
     q_pass, q_rot = q[..., :m.qk_nope_dim], q[..., m.qk_nope_dim:]
-    ckv = linear(x, p["kv_a_proj_with_mqa"])  # [B, T, kv_lora + rope]
+    ckv = linear(x, p["kv_a_proj_with_mqa"], impl=spec.dense_impl)  # [B, T, kv_lora + rope]
     k_pass, k_rot = ckv[..., :m.kv_lora_rank], ckv[..., m.kv_lora_rank:]
-    kv = linear(rms_norm(k_pass, p["kv_a_layernorm"], spec.eps), p["kv_b_proj"]).reshape(
+    kv = linear(rms_norm(k_pass, p["kv_a_layernorm"], spec.eps), p["kv_b_proj"], impl=spec.dense_impl).reshape(
         B, T, H, m.qk_nope_dim + m.v_dim)
     k_pass, v = kv[..., :m.qk_nope_dim], kv[..., m.qk_nope_dim:]
     q_rot = apply_rope(q_rot, cos, sin, interleaved=m.rope_interleave)
@@ -92,4 +93,4 @@ def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     k = jnp.concatenate([k_pass, jnp.broadcast_to(k_rot, (B, T, H, m.qk_rope_dim))], axis=-1)
     k, v, cache = _with_cache(k, v, cache, ctx)
     o = attend(q, k, v, ctx, m.softmax_scale)
-    return linear(o.reshape(B, T, -1), p["o_proj"]), cache
+    return linear(o.reshape(B, T, -1), p["o_proj"], impl=spec.dense_impl), cache

@@ -29,7 +29,7 @@ from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_co
 from .hf_tables import load_params
 from .placement import MeshPlacement
 from .quant_layout import check_checkpoint_header
-from .layers import AttnContext, linear, rms_norm, rope_cos_sin, swiglu_mlp
+from .layers import AttnContext, check_dense_impl, linear, rms_norm, rope_cos_sin, swiglu_mlp
 from .spec import DecoderSpec, spec_from_config
 
 __all__ = ["CausalLM", "forward", "from_pretrained", "context_from_mask"]
@@ -85,11 +85,11 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
                 shape = h.shape[:2] + (-1,)
                 router = (plan.expert_ids.T.reshape(shape), plan.gates.T.reshape(shape))
         else:
-            y = swiglu_mlp(lp["mlp"], h)
+            y = swiglu_mlp(lp["mlp"], h, spec.dense_impl)
         x = x + y
     x = rms_norm(x, params["norm"], spec.eps)
     if "lm_head" in params:
-        logits = linear(x, params["lm_head"])
+        logits = linear(x, params["lm_head"], impl=spec.dense_impl)
     else:  # tied: the embedding [V, M] is the head's [out, in] weight
         logits = jnp.einsum("...m,vm->...v", x, params["embed"])
     logits = logits.astype(jnp.float32)
@@ -144,7 +144,7 @@ class CausalLM:
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
-                    kernel_backend: str | None = None, dropless_impl: str = "auto",
+                    kernel_backend: str | None = None, dropless_impl: str = "auto", dense_impl: str = "auto",
                     check_finite: bool = True) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
@@ -159,7 +159,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
     for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
-    C++ CPU kernel for SwiGLU experts, the fastest CPU decode, checked and built here).
+    C++ CPU kernel for SwiGLU and GPT-OSS experts, float or packed, the fastest CPU decode, checked and built
+    here; 'auto' picks it on CPU for packed experts).
+    `dense_impl` of the attention projections, dense MLPs and lm_head (`layers.linear`: 'xla', 'native' (the
+    C++ CPU kernel `native.dense`) or 'auto': native on CPU for decode-sized batches of bfloat16 or packed
+    weights).
     `check_finite` (default on): every tensor read from the checkpoint is checked for non-finite values as it
     is read (float tensors for NaN/inf, FP8 weights and the quantization scales, MXFP4 E8M0, FP8
     weight_scale_inv, NVFP4 e4m3 and global scales, for their NaN codes; see `checkpoint.safetensors_io`), so a
@@ -186,6 +190,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     except KeyError as e:
         raise ValueError(f"{config_file}: missing key {e.args[0]!r}") from None
     check_quantization_config(config)
+    spec = dataclasses.replace(spec, dense_impl=check_dense_impl(dense_impl))
     ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
         if tensors is None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import quant_weights
 
-__all__ = ["rms_norm", "linear", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
 
 
@@ -30,16 +30,34 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * h.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: Any, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w (+ b [out]) -> [..., out]: w a float kernel [in, out], or a quantized container of the
-    on-disk [out, in] weight (dequantized inside the matmul, see `tutel_jax.quant_weights`)."""
+DENSE_IMPLS = ("auto", "xla", "native")
+
+
+def check_dense_impl(impl: str) -> str:
+    if impl not in DENSE_IMPLS:
+        raise ValueError(f"dense_impl must be one of {DENSE_IMPLS}, got {impl!r}")
+    return impl
+
+
+def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+    """x [..., in] @ w (+ b [out]) -> [..., out] in x's dtype: w a float kernel [in, out], or a quantized container
+    of the on-disk [out, in] weight.
+
+    impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant_weights`), 'native' (the
+    C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
+    accumulation) or 'auto': 'native' on CPU for at most `native.dense.MAX_ROWS` rows (decode) of a bfloat16 or
+    packed weight when the kernel can be built, else 'xla'."""
+    from ..native.dense import dense, worth_it  # lazy: builds nothing until the kernel is first used
+    if impl == "native" or (impl == "auto" and worth_it(x, w)):
+        return dense(x, w, b).astype(x.dtype)
     y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
     return y if b is None else y + b
 
 
-def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array, impl: str = "auto") -> jax.Array:
     """Dense HF MLP `down(silu(gate(x)) * up(x))`; p holds gate_proj / up_proj / down_proj kernels."""
-    return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
+    return linear(jax.nn.silu(linear(x, p["gate_proj"], impl=impl)) * linear(x, p["up_proj"], impl=impl),
+                  p["down_proj"], impl=impl)
 
 
 def rope_inv_freq(rope: Mapping[str, Any], dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:

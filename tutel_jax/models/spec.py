@@ -54,6 +54,7 @@ class DecoderSpec:
     sinks: bool = False
     tie_word_embeddings: bool = False
     mla: MLASpec | None = None
+    dense_impl: str = "auto"  # the dense projections' matmul: see `layers.linear` (from_pretrained's dense_impl)
 
     @property
     def last_moe_layer(self) -> int | None:

@@ -5,7 +5,9 @@ A kernel's shared library is built once per machine with the system C++ compiler
 runs; a compiler that does not know it gets a second try without), and cached under `$TUTEL_JAX_CACHE` (default
 `$XDG_CACHE_HOME/tutel_jax`, else `~/.cache/tutel_jax`), keyed by the source, the flags, the compiler, the jaxlib
 version and the CPU (its model and feature flags: a home directory shared by different machines never hands one
-a library built for another's instruction set). The library is written to a temporary file and renamed into
+a library built for another's instruction set). The headers beside the sources (`*.h`) are part of the key.
+`TUTEL_JAX_NATIVE_PORTABLE=1` builds without the AVX-512 code paths (the portable C++ every CPU runs; tests use
+it to check those paths on a machine that has AVX-512). The library is written to a temporary file and renamed into
 place, so concurrent first uses (e.g. test workers) never load a half-written file.
 """
 
@@ -73,9 +75,14 @@ def _cpu_fingerprint() -> str:
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
+def _defines() -> tuple[str, ...]:
+    return ("-DTUTEL_JAX_PORTABLE",) if os.environ.get("TUTEL_JAX_NATIVE_PORTABLE") == "1" else ()
+
+
 def _library_path(source: Path, cxx: str) -> Path:
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS + TUNE_FLAGS).encode(), cxx.encode(),
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(FLAGS + TUNE_FLAGS + _defines()).encode(), cxx.encode(),
                  jaxlib.__version__.encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
@@ -87,7 +94,8 @@ def _compile(source: Path, target: Path, cxx: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     def run(tune):
-        cmd = [cxx, *FLAGS, *tune, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+        cmd = [cxx, *FLAGS, *tune, *_defines(), "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR), str(source),
+               "-o", tmp]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
     try:

@@ -1,278 +1,216 @@
-// tutel-jax native CPU kernel: the routed SwiGLU experts of one MoE layer, as an XLA FFI custom call.
+// tutel-jax native CPU kernel: the routed gated-linear-unit experts of one MoE layer, as an XLA FFI custom call.
 //
 //   y[s] = sum_k dec[k, s] * expert_{ids[k, s]}(enc[k, s] * x[s])
-//   expert_e(r) = (silu(r @ Wg_e) * (r @ Wu_e)) @ Wd_e
+//   expert_e(r) = W2_e . glu(W1_e . r + b1_e) + b2_e
+//   glu 0 (SwiGLU):  h = [gate | up] (halves),  silu(gate) * up
+//   glu 1 (GPT-OSS): h = interleaved (gate = even, up = odd), gate = min(gate, limit),
+//                    up = clip(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate)
 //
-// x [S, M] f32, ids [K, S] s32, enc / dec [K, S] f32, gate_up [E, M, 2I] (first I columns the gate, the last I
-// the up projection; f32 or bf16), down [E, I, Mo] (f32 or bf16) -> y [S, Mo] f32.
+// x [S, M] f32, ids [K, S] s32, enc / dec [K, S] f32 -> y [S, Mo] f32. W1 is one weight of 2I outputs, or (with
+// `split_up`) a gate and an up weight of I outputs each; W2 has Mo outputs over I inputs; each weight float
+// [E, in, out] or packed [E, out, in] (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32, or empty.
 // An assignment whose expert id is outside [0, E) (another device's expert) or whose enc or dec is 0 (dropped)
-// costs nothing. Only the experts that received tokens are read, each once: up to 8 rows stream its weights in
-// memory order (decode), more rows go through register tiles of 4 rows x 64 columns (prefill). The used experts
-// are shared out over XLA's intra-op thread pool (the calling thread is one of the workers); each worker sums
-// into its own [S, Mo] buffer and the buffers are added up at the end.
-// max_workers (attribute): at most this many workers (the pool's size when larger).
+// costs nothing. Only the experts that received tokens are read, each weight byte once per call (decode: up to
+// 8 rows per register pass; more rows re-read a 64-row block from cache).
+// Three phases over XLA's intra-op thread pool: (1) W1 blocks of every used expert, (2) per expert the bias and
+// GLU, (3) W2 by blocks of output columns over all used experts, each block summing into its own columns of y
+// (no per-thread buffers; the same sums in the same order whatever the thread count).
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "weights.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;                   // floats per vector
-constexpr int kTileVectors = 4;              // vectors per column tile
-constexpr int kTileCols = kLanes * kTileVectors;
-constexpr int kMaxTileRows = 4;             // rows per register tile
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline float load_scalar(const float* p) { return *p; }
-inline float load_scalar(const uint16_t* p) {
-  uint32_t bits = uint32_t(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline Vec load_vec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline Vec load_vec(const uint16_t* p) {
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = load_scalar(p + i);
-  return v;
-}
-
-// out[r, c0:c0+64] = sum_k a[r, k] * w[k, c0:c0+64] for R rows, accumulated in registers (a: [R, depth], row
-// stride lda; w: [depth, *], row stride ldw; out: row stride ldo). For many rows: the 64-column slice of w is
-// read from memory by the first row tile and from cache by the others.
-template <int R, typename W>
-void tile_matmul(const float* a, int lda, const W* w, int ldw, int depth, int c0, float* out, int ldo) {
-  Vec acc[R][kTileVectors];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Vec{};
-  for (int k = 0; k < depth; ++k) {
-    const W* row = w + size_t(k) * ldw + c0;
-    Vec wv[kTileVectors];
-    for (int v = 0; v < kTileVectors; ++v) wv[v] = load_vec(row + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec s = Vec{} + a[size_t(r) * lda + k];
-      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += s * wv[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v)
-      std::memcpy(out + size_t(r) * ldo + c0 + v * kLanes, &acc[r][v], sizeof(Vec));
-}
-
-// out[r, c0:c1] = sum_k a[r, k] * w[k, c0:c1] for R rows, streaming w row by row in memory order (each weight
-// row is used by all R rows while it is in registers; the R output rows stay in L1). The decode form: a used
-// expert's weights are read once, sequentially, which is what bounds a decode step.
-template <int R, typename W>
-void stream_matmul(const float* a, int lda, const W* w, int ldw, int depth, int c0, int c1, float* out, int ldo) {
-  const int vec_end = c0 + (c1 - c0) / kLanes * kLanes;
-  for (int r = 0; r < R; ++r) std::memset(out + size_t(r) * ldo + c0, 0, sizeof(float) * (c1 - c0));
-  for (int k = 0; k < depth; ++k) {
-    const W* row = w + size_t(k) * ldw;
-    float s[R];
-    for (int r = 0; r < R; ++r) s[r] = a[size_t(r) * lda + k];
-    for (int c = c0; c < vec_end; c += kLanes) {
-      const Vec wv = load_vec(row + c);
-      for (int r = 0; r < R; ++r) {
-        Vec o;
-        std::memcpy(&o, out + size_t(r) * ldo + c, sizeof(Vec));
-        o += s[r] * wv;
-        std::memcpy(out + size_t(r) * ldo + c, &o, sizeof(Vec));
-      }
-    }
-    for (int c = vec_end; c < c1; ++c) {
-      const float wc = load_scalar(row + c);
-      for (int r = 0; r < R; ++r) out[size_t(r) * ldo + c] += s[r] * wc;
-    }
-  }
-}
-
-constexpr int kStreamRows = 8;
-
-// stream_matmul for 1 <= rows <= kStreamRows.
-template <typename W>
-void stream_rows(const float* a, int lda, int rows, const W* w, int ldw, int depth, int c0, int c1, float* out,
-                 int ldo) {
-  switch (rows) {
-    case 1: return stream_matmul<1>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 2: return stream_matmul<2>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 3: return stream_matmul<3>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 4: return stream_matmul<4>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 5: return stream_matmul<5>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 6: return stream_matmul<6>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    case 7: return stream_matmul<7>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-    default: return stream_matmul<8>(a, lda, w, ldw, depth, c0, c1, out, ldo);
-  }
-}
-
-// out [rows, cols] = a [rows, depth] @ w [depth, cols] (w rows of stride ldw; a and out of strides lda, ldo).
-template <typename W>
-void matmul_rows(const float* a, int lda, int rows, const W* w, int ldw, int depth, int cols, float* out, int ldo) {
-  if (rows <= kStreamRows) return stream_rows(a, lda, rows, w, ldw, depth, 0, cols, out, ldo);
-  const int tiled = cols / kTileCols * kTileCols;
-  for (int c0 = 0; c0 < tiled; c0 += kTileCols) {
-    int r0 = 0;
-    for (; r0 + kMaxTileRows <= rows; r0 += kMaxTileRows)
-      tile_matmul<kMaxTileRows>(a + size_t(r0) * lda, lda, w, ldw, depth, c0, out + size_t(r0) * ldo, ldo);
-    switch (rows - r0) {
-      case 3: tile_matmul<3>(a + size_t(r0) * lda, lda, w, ldw, depth, c0, out + size_t(r0) * ldo, ldo); break;
-      case 2: tile_matmul<2>(a + size_t(r0) * lda, lda, w, ldw, depth, c0, out + size_t(r0) * ldo, ldo); break;
-      case 1: tile_matmul<1>(a + size_t(r0) * lda, lda, w, ldw, depth, c0, out + size_t(r0) * ldo, ldo); break;
-      default: break;
-    }
-  }
-  if (tiled < cols)
-    for (int r0 = 0; r0 < rows; r0 += kStreamRows)
-      stream_rows(a + size_t(r0) * lda, lda, std::min(kStreamRows, rows - r0), w, ldw, depth, tiled, cols,
-                  out + size_t(r0) * ldo, ldo);
-}
-
 struct Assignment {
-  int token;
+  int64_t token;
   float enc, dec;
 };
 
-// Everything the workers share; held by shared_ptr so a pool task that starts late never touches freed memory.
-template <typename W>
-struct Job {
-  const float* x;
-  const W* gate_up;
-  const W* down;
-  int model_dim, hidden, out_dim;
-  std::vector<int> experts;                     // the used experts
-  std::vector<std::vector<Assignment>> rows;    // per used expert
-  std::vector<std::vector<float>> partial;      // per worker [S, Mo]
-  std::atomic<int> next{0};
-  std::atomic<int> running{0};
+struct UsedExpert {
+  int64_t e;
+  std::vector<Assignment> rows;
+  int64_t x_offset = 0, h_offset = 0, a_offset = 0;  // into the shared buffers
+};
 
-  void work(int worker) {
-    running.fetch_add(1);
-    std::vector<float> xin, h, act, out;
-    float* y = partial[worker].data();
-    for (int j; (j = next.fetch_add(1)) < int(experts.size());) run_expert(experts[j], rows[j], xin, h, act, out, y);
-    running.fetch_sub(1);
-  }
+struct Glu {
+  int kind;
+  float alpha, limit;
+  int64_t hidden;
 
-  void run_expert(int e, const std::vector<Assignment>& assigned, std::vector<float>& xin, std::vector<float>& h,
-                  std::vector<float>& act, std::vector<float>& out, float* y) {
-    const int n = int(assigned.size()), M = model_dim, I = hidden, O = out_dim;
-    xin.resize(size_t(n) * M);
-    h.resize(size_t(n) * 2 * I);
-    act.resize(size_t(n) * I);
-    out.resize(size_t(n) * O);
-    for (int r = 0; r < n; ++r) {
-      const float* src = x + size_t(assigned[r].token) * M;
-      for (int m = 0; m < M; ++m) xin[size_t(r) * M + m] = assigned[r].enc * src[m];
+  // a [I] from h [2I]
+  void apply(const float* h, float* a) const {
+    const int64_t I = hidden;
+    if (kind == 0) {
+      for (int64_t i = 0; i < I; ++i) a[i] = h[i] / (1.0f + std::exp(-h[i])) * h[I + i];
+      return;
     }
-    matmul_rows(xin.data(), M, n, gate_up + size_t(e) * M * 2 * I, 2 * I, M, 2 * I, h.data(), 2 * I);
-    for (int r = 0; r < n; ++r) {
-      const float* g = h.data() + size_t(r) * 2 * I;
-      for (int i = 0; i < I; ++i) act[size_t(r) * I + i] = g[i] / (1.0f + std::exp(-g[i])) * g[I + i];
-    }
-    matmul_rows(act.data(), I, n, down + size_t(e) * I * O, O, I, O, out.data(), O);
-    for (int r = 0; r < n; ++r) {
-      float* dst = y + size_t(assigned[r].token) * O;
-      const float d = assigned[r].dec;
-      for (int o = 0; o < O; ++o) dst[o] += d * out[size_t(r) * O + o];
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = std::min(h[2 * i], limit);
+      const float up = std::min(std::max(h[2 * i + 1], -limit), limit);
+      a[i] = (up + 1.0f) * (gate / (1.0f + std::exp(-gate * alpha)));
     }
   }
 };
 
-template <typename W>
-ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> enc,
-               ffi::Buffer<ffi::F32> dec, ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::Result<ffi::Buffer<ffi::F32>> y,
-               int64_t max_workers) {
-  auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(), dd = down.dimensions();
-  const int S = int(xd[0]), M = int(xd[1]), K = int(idd[0]), E = int(gud[0]), I = int(dd[1]), O = int(dd[2]);
-  auto job = std::make_shared<Job<W>>();
-  job->x = x.typed_data();
-  job->gate_up = static_cast<const W*>(gate_up.untyped_data());
-  job->down = static_cast<const W*>(down.untyped_data());
-  job->model_dim = M;
-  job->hidden = I;
-  job->out_dim = O;
+ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                          ffi::Buffer<ffi::F32> enc, ffi::Buffer<ffi::F32> dec, ffi::AnyBuffer g_data,
+                          ffi::AnyBuffer g_scale, ffi::AnyBuffer g_global, ffi::AnyBuffer u_data,
+                          ffi::AnyBuffer u_scale, ffi::AnyBuffer u_global, ffi::AnyBuffer d_data,
+                          ffi::AnyBuffer d_scale, ffi::AnyBuffer d_global, ffi::Buffer<ffi::F32> b1,
+                          ffi::Buffer<ffi::F32> b2, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t w1_format,
+                          int64_t w2_format, bool split_up, int64_t glu, float alpha, float limit,
+                          int64_t max_workers) {
+  auto xd = x.dimensions(), idd = ids.dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || idd[1] != xd[0] || !(enc.dimensions() == idd) ||
+      !(dec.dimensions() == idd))
+    return ffi::Error::InvalidArgument("moe_experts: expected x [S, M] and ids, enc, dec [K, S]");
+  const int64_t S = xd[0], M = xd[1], Kk = idd[0];
+  std::vector<tj::Weight> w1(split_up ? 2 : 1);
+  tj::Weight w2;
+  std::string err = tj::parse_weight(split_up ? "gate weight" : "gate_up weight", w1_format, g_data, g_scale,
+                                     g_global, &w1[0]);
+  if (err.empty() && split_up) err = tj::parse_weight("up weight", w1_format, u_data, u_scale, u_global, &w1[1]);
+  if (err.empty()) err = tj::parse_weight("down weight", w2_format, d_data, d_scale, d_global, &w2);
+  if (!err.empty()) return ffi::Error::InvalidArgument("moe_experts: " + err);
+  const int64_t E = w2.E, I = w2.K, Mo = w2.N, H = split_up ? 2 * w1[0].N : w1[0].N;
+  for (const auto& w : w1)
+    if (w.E != E || w.K != M) return ffi::Error::InvalidArgument("moe_experts: W1 must be [E, M] -> outputs");
+  if (H != 2 * I || (split_up && w1[1].N != w1[0].N))
+    return ffi::Error::InvalidArgument("moe_experts: W1 must have 2I outputs for W2's I inputs");
+  const bool has_b1 = tj::product(b1.dimensions()) != 0, has_b2 = tj::product(b2.dimensions()) != 0;
+  if ((has_b1 && tj::product(b1.dimensions()) != E * H) || (has_b2 && tj::product(b2.dimensions()) != E * Mo))
+    return ffi::Error::InvalidArgument("moe_experts: biases must be [E, 2I] and [E, Mo] (or empty)");
+  if (y->dimensions()[0] != S || y->dimensions()[1] != Mo)
+    return ffi::Error::InvalidArgument("moe_experts: output must be [S, Mo]");
+  const Glu glu_fn{int(glu), alpha, limit, I};
 
-  // Group the kept assignments by expert (in token order within an expert).
-  std::vector<int> slot(E, -1);
+  // Group the kept assignments by expert (token order within an expert).
+  std::vector<UsedExpert> used;
+  std::vector<int64_t> slot(E, -1);
   const int32_t* id = ids.typed_data();
   const float* en = enc.typed_data();
   const float* de = dec.typed_data();
-  for (int s = 0; s < S; ++s) {
-    for (int k = 0; k < K; ++k) {
-      const size_t a = size_t(k) * S + s;
-      const int e = id[a];
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t k = 0; k < Kk; ++k) {
+      const int64_t a = k * S + s, e = id[a];
       if (e < 0 || e >= E || en[a] == 0.0f || de[a] == 0.0f) continue;
       if (slot[e] < 0) {
-        slot[e] = int(job->experts.size());
-        job->experts.push_back(e);
-        job->rows.emplace_back();
+        slot[e] = int64_t(used.size());
+        used.push_back({e, {}});
       }
-      job->rows[slot[e]].push_back({s, en[a], de[a]});
+      used[slot[e]].rows.push_back({s, en[a], de[a]});
     }
+  int64_t total = 0;
+  for (auto& u : used) {
+    u.x_offset = total * M;
+    u.h_offset = total * H;
+    u.a_offset = total * I;
+    total += int64_t(u.rows.size());
   }
-
-  const int used = int(job->experts.size());
-  const int64_t pool_size = std::max<int64_t>(1, pool.num_threads());
-  const int workers = int(std::max<int64_t>(1, std::min<int64_t>({int64_t(used), max_workers, pool_size})));
-  job->partial.assign(workers, std::vector<float>(size_t(S) * O, 0.0f));
-  for (int w = 1; w < workers; ++w) pool.Schedule([job, w] { job->work(w); });
-  job->work(0);
-  // Every expert has been claimed; wait for the ones other workers are still running.
-  while (job->running.load() != 0) std::this_thread::yield();
-
   float* out = y->typed_data();
-  std::memcpy(out, job->partial[0].data(), sizeof(float) * size_t(S) * O);
-  for (int w = 1; w < workers; ++w) {
-    const float* p = job->partial[w].data();
-    for (size_t i = 0; i < size_t(S) * O; ++i) out[i] += p[i];
-  }
-  return ffi::Error::Success();
-}
+  std::memset(out, 0, sizeof(float) * S * Mo);
+  if (total == 0) return ffi::Error::Success();
 
-ffi::Error MoeSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> enc, ffi::Buffer<ffi::F32> dec, ffi::AnyBuffer gate_up,
-                         ffi::AnyBuffer down, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t max_workers) {
-  auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(), dd = down.dimensions();
-  if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dd.size() != 3)
-    return ffi::Error::InvalidArgument("moe_swiglu: expected x [S, M], ids [K, S], gate_up [E, M, 2I], down [E, I, Mo]");
-  if (idd[1] != xd[0] || !(enc.dimensions() == idd) || !(dec.dimensions() == idd))
-    return ffi::Error::InvalidArgument("moe_swiglu: ids, enc and dec must be [K, S] with S = x.shape[0]");
-  if (gud[1] != xd[1] || gud[2] != 2 * dd[1] || dd[0] != gud[0])
-    return ffi::Error::InvalidArgument("moe_swiglu: gate_up must be [E, M, 2I] and down [E, I, Mo]");
-  if (gate_up.element_type() != down.element_type())
-    return ffi::Error::InvalidArgument("moe_swiglu: gate_up and down must have the same dtype");
-  switch (gate_up.element_type()) {
-    case ffi::DataType::F32: return run<float>(pool, x, ids, enc, dec, gate_up, down, y, max_workers);
-    case ffi::DataType::BF16: return run<uint16_t>(pool, x, ids, enc, dec, gate_up, down, y, max_workers);
-    default: return ffi::Error::InvalidArgument("moe_swiglu: weights must be float32 or bfloat16");
+  std::vector<float> xin(total * M), h(total * H), a(total * I);
+  const float* xs = x.typed_data();
+  {
+    std::vector<float> row(M);
+    for (const auto& u : used)
+      for (size_t r = 0; r < u.rows.size(); ++r) {
+        const float* src = xs + u.rows[r].token * M;
+        for (int64_t m = 0; m < M; ++m) row[m] = u.rows[r].enc * src[m];
+        tj::arrange(w1[0].fmt, row.data(), M, xin.data() + u.x_offset + int64_t(r) * M);
+      }
   }
+
+  // (1) W1: items (expert, part, block of outputs)
+  struct Item {
+    int64_t j, part, n0, n1;
+  };
+  std::vector<Item> items;
+  for (int64_t j = 0; j < int64_t(used.size()); ++j)
+    for (int64_t p = 0; p < int64_t(w1.size()); ++p)
+      for (int64_t n0 = 0; n0 < w1[p].N; n0 += w1[p].item_width())
+        items.push_back({j, p, n0, std::min(w1[p].N, n0 + w1[p].item_width())});
+  tj::run_items(pool, int64_t(items.size()), max_workers, [&](int64_t i) {
+    const Item& it = items[i];
+    const UsedExpert& u = used[it.j];
+    const int64_t col = it.part * w1[0].N + it.n0;
+    w1[it.part].rows(u.e, xin.data() + u.x_offset, int(u.rows.size()), M, it.n0, it.n1, h.data() + u.h_offset + col, H);
+  });
+
+  // (2) bias and GLU per used expert, the activations laid out for W2
+  const float* bias1 = b1.typed_data();
+  tj::run_items(pool, int64_t(used.size()), max_workers, [&](int64_t j) {
+    const UsedExpert& u = used[j];
+    std::vector<float> act(I);
+    for (size_t r = 0; r < u.rows.size(); ++r) {
+      float* hr = h.data() + u.h_offset + int64_t(r) * H;
+      if (has_b1)
+        for (int64_t c = 0; c < H; ++c) hr[c] += bias1[u.e * H + c];
+      glu_fn.apply(hr, act.data());
+      tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
+    }
+  });
+
+  // (3) W2 by output blocks over all used experts
+  const float* bias2 = b2.typed_data();
+  const int64_t width = w2.item_width();
+  tj::run_items(pool, (Mo + width - 1) / width, max_workers, [&](int64_t b) {
+    const int64_t n0 = b * width, n1 = std::min(Mo, n0 + width), bw = n1 - n0;
+    std::vector<float> tmp;
+    for (const auto& u : used) {
+      const int64_t rows = int64_t(u.rows.size());
+      tmp.resize(rows * bw);
+      w2.rows(u.e, a.data() + u.a_offset, int(rows), I, n0, n1, tmp.data(), bw);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + u.rows[r].token * Mo + n0;
+        const float* src = tmp.data() + r * bw;
+        const float d = u.rows[r].dec;
+        if (has_b2) {
+          const float* bb = bias2 + u.e * Mo + n0;
+          for (int64_t c = 0; c < bw; ++c) dst[c] += d * (src[c] + bb[c]);
+        } else {
+          for (int64_t c = 0; c < bw; ++c) dst[c] += d * src[c];
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxMoeSwiglu, MoeSwigluImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxMoeExperts, MoeExpertsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // enc
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dec
+                                  .Arg<ffi::AnyBuffer>()          // gate (or gate_up): data, scale, global
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()          // up (split_up): data, scale, global
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()          // down: data, scale, global
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // b1
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // b2
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Attr<int64_t>("w1_format")
+                                  .Attr<int64_t>("w2_format")
+                                  .Attr<bool>("split_up")
+                                  .Attr<int64_t>("glu")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
                                   .Attr<int64_t>("max_workers"));

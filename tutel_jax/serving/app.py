@@ -196,7 +196,7 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     cfg = cfg or ServerConfig()
     if model is None:
         from ..models import from_pretrained
-        model = from_pretrained(path, dropless_impl=cfg.dropless_impl)
+        model = from_pretrained(path, dtype=cfg.dtype, dropless_impl=cfg.dropless_impl, dense_impl=cfg.dense_impl)
     srv = Server(model, path, cfg)
 
     @asynccontextmanager

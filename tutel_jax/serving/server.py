@@ -54,6 +54,7 @@ __all__ = ["APIError", "Completion", "ContinuousEngine", "Engine", "Job", "Queue
 def _parser():
     from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
     from ..dropless import IMPLS
+    from ..models.layers import DENSE_IMPLS
     p = CommandParser(prog="tutel-jax serve", description="OpenAI-compatible server for a tutel-jax checkpoint "
                       "(GET /health, /v1/models; POST /v1/completions, /v1/chat/completions)")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -96,6 +97,11 @@ def _parser():
                         "rounded up to 16)")
     p.add_argument("--dropless-impl", default="auto", choices=IMPLS,
                    help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
+    p.add_argument("--dense-impl", default="auto", choices=DENSE_IMPLS,
+                   help="the attention projections' and lm_head's matmul ('native': the C++ CPU kernel; 'auto': "
+                        "native on CPU for decode batches of bfloat16 or packed weights)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's float weights and activations (packed expert weights stay packed)")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
                        warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl,
+                       dense_impl=a.dense_impl, dtype=a.dtype,
                        max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout)
     try:
         app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)

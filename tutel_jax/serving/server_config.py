@@ -29,5 +29,7 @@ class ServerConfig:
     warmup_prompt_lens: list[int] | None = None    # with these prompt lengths; default [1]
     warmup_max_tokens: int = 2
     dropless_impl: str = "auto"     # the MoE layers' dropless implementation when the app loads the model
+    dense_impl: str = "auto"        # the dense projections' matmul (`models.layers.linear`)
+    dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408

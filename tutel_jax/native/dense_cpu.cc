@@ -1,0 +1,67 @@
+// tutel-jax native CPU kernel: a dense linear layer for a few rows, as an XLA FFI custom call.
+//
+//   y [R, N] = x [R, K] @ W (+ b [N])
+//
+// W float32 / bfloat16 [K, N] ([in, out], streamed row by row over blocks of columns) or packed FP8 block /
+// MXFP4 / NVFP4 [N, K] (the checkpoint's [out, in], decoded in registers); see weights.h. Decoding reads every
+// weight byte once: the layer runs at the speed of memory, not at XLA:CPU's (which converts a bfloat16 or
+// packed weight to float32 in memory before its matmul). Work is split by output blocks over XLA's intra-op
+// thread pool.
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "weights.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kFloatColsPerItem = 256;  // 512 contiguous bytes per bf16 weight row and item
+
+ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_data, ffi::AnyBuffer w_scale,
+                     ffi::AnyBuffer w_global, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                     int64_t format, int64_t max_workers) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("dense: expected x [R, K]");
+  tj::Weight w;
+  std::string err = tj::parse_weight("weight", format, w_data, w_scale, w_global, &w);
+  if (!err.empty()) return ffi::Error::InvalidArgument("dense: " + err);
+  const int64_t R = xd[0], K = xd[1], N = w.N;
+  if (w.E != 1 || w.K != K) return ffi::Error::InvalidArgument("dense: weight must be [1, K, N] or packed [1, N, K']");
+  const bool has_b = tj::product(b.dimensions()) != 0;
+  if (has_b && tj::product(b.dimensions()) != N) return ffi::Error::InvalidArgument("dense: bias must be [N]");
+  if (y->dimensions()[0] != R || y->dimensions()[1] != N)
+    return ffi::Error::InvalidArgument("dense: output must be [R, N]");
+  if (R == 0 || N == 0) return ffi::Error::Success();
+
+  std::vector<float> xa(R * K);
+  for (int64_t r = 0; r < R; ++r) tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
+  float* out = y->typed_data();
+  const float* bias = b.typed_data();
+  const int64_t width = w.item_width(kFloatColsPerItem);
+  tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
+    const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
+    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N);
+    if (has_b)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t n = n0; n < n1; ++n) out[r * N + n] += bias[n];
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxDense, DenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::AnyBuffer>()          // weight: data, scale, global
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // b
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("max_workers"));

@@ -1,0 +1,137 @@
+// tutel-jax native CPU kernels: float32 / bfloat16 kernels [K, N] ([in, out]) times a few activation rows.
+//
+// `float_cols` computes out[r, c - c0] = sum_k a[r, k] * w[k, c] for c in [c0, c1). Up to 8 rows stream the
+// column slice of w row by row in memory order, each weight row used by all rows while it is in registers
+// (decode); more rows go through register tiles of 4 rows x 64 columns (prefill), whose 64-column slice of w is
+// read from memory by the first row tile and from cache by the others. GCC/Clang vector extensions: portable,
+// and 16-lane vectors where the CPU has them.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace tj {
+
+constexpr int kLanes = 16;                   // floats per vector
+constexpr int kTileVectors = 4;              // vectors per column tile
+constexpr int kTileCols = kLanes * kTileVectors;
+constexpr int kMaxTileRows = 4;              // rows per register tile
+constexpr int kStreamRows = 8;
+constexpr int kPrefetchRows = 8;   // weight rows the streaming form prefetches ahead
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const uint16_t* p) {
+  uint32_t bits = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline Vec load_vec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+typedef uint16_t Bf16x16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t U32x16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline Vec load_vec(const uint16_t* p) {  // bfloat16 bits << 16 are the float32 bits
+  Bf16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// out[r, 0:64] = sum_k a[r, k] * w[k, c0:c0+64] for R rows, accumulated in registers.
+template <int R, typename W>
+void tile_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t depth, int64_t c0, float* out,
+               int64_t ldo) {
+  Vec acc[R][kTileVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Vec{};
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* row = w + k * ldw + c0;
+    Vec wv[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) wv[v] = load_vec(row + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec s = Vec{} + a[r * lda + k];
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += s * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kTileVectors; ++v) std::memcpy(out + r * ldo + v * kLanes, &acc[r][v], sizeof(Vec));
+}
+
+// out[r, 0:c1-c0] = sum_k a[r, k] * w[k, c0:c1] for R rows, streaming w's rows in memory order.
+template <int R, typename W>
+void stream_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t depth, int64_t c0, int64_t c1,
+                 float* out, int64_t ldo) {
+  const int64_t width = c1 - c0, vec_end = width / kLanes * kLanes;
+  for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * width);
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* row = w + k * ldw + c0;
+    if (k + kPrefetchRows < depth)  // rows ahead: the strided slices of an [in, out] kernel are not prefetched
+      for (int64_t b = 0; b < width * int64_t(sizeof(W)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ldw) + b);
+    float s[R];
+    for (int r = 0; r < R; ++r) s[r] = a[r * lda + k];
+    for (int64_t c = 0; c < vec_end; c += kLanes) {
+      const Vec wv = load_vec(row + c);
+      for (int r = 0; r < R; ++r) {
+        Vec o;
+        std::memcpy(&o, out + r * ldo + c, sizeof(Vec));
+        o += s[r] * wv;
+        std::memcpy(out + r * ldo + c, &o, sizeof(Vec));
+      }
+    }
+    for (int64_t c = vec_end; c < width; ++c) {
+      const float wc = load_scalar(row + c);
+      for (int r = 0; r < R; ++r) out[r * ldo + c] += s[r] * wc;
+    }
+  }
+}
+
+template <typename W>
+void stream_rows(const float* a, int64_t lda, int rows, const W* w, int64_t ldw, int64_t depth, int64_t c0,
+                 int64_t c1, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return stream_cols<1>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 2: return stream_cols<2>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 3: return stream_cols<3>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 4: return stream_cols<4>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 5: return stream_cols<5>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 6: return stream_cols<6>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    case 7: return stream_cols<7>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+    default: return stream_cols<8>(a, lda, w, ldw, depth, c0, c1, out, ldo);
+  }
+}
+
+// out[r, c - c0] = sum_k a[r, k] * w[k, c] for r < rows, c in [c0, c1); w [depth, *] of row stride ldw.
+template <typename W>
+void float_cols(const W* w, int64_t ldw, int64_t depth, const float* a, int rows, int64_t lda, int64_t c0,
+                int64_t c1, float* out, int64_t ldo) {
+  if (rows <= kStreamRows) return stream_rows(a, lda, rows, w, ldw, depth, c0, c1, out, ldo);
+  const int64_t tiled = c0 + (c1 - c0) / kTileCols * kTileCols;
+  for (int64_t t = c0; t < tiled; t += kTileCols) {
+    float* o = out + (t - c0);
+    int r0 = 0;
+    for (; r0 + kMaxTileRows <= rows; r0 += kMaxTileRows)
+      tile_cols<kMaxTileRows>(a + r0 * lda, lda, w, ldw, depth, t, o + r0 * ldo, ldo);
+    switch (rows - r0) {
+      case 3: tile_cols<3>(a + r0 * lda, lda, w, ldw, depth, t, o + r0 * ldo, ldo); break;
+      case 2: tile_cols<2>(a + r0 * lda, lda, w, ldw, depth, t, o + r0 * ldo, ldo); break;
+      case 1: tile_cols<1>(a + r0 * lda, lda, w, ldw, depth, t, o + r0 * ldo, ldo); break;
+      default: break;
+    }
+  }
+  if (tiled < c1)
+    for (int r0 = 0; r0 < rows; r0 += kStreamRows)
+      stream_rows(a + r0 * lda, lda, std::min(kStreamRows, rows - r0), w, ldw, depth, tiled, c1,
+                  out + r0 * ldo + (tiled - c0), ldo);
+}
+
+}  // namespace tj

@@ -1,0 +1,139 @@
+// tutel-jax native CPU kernels: one weight tensor as the FFI hands it over (float [E, K, N] kernels or packed
+// [E, N, K'] checkpoint tensors with their scales), and the work pool shared by the kernels.
+//
+// The Python side (tutel_jax/native/weights.py) passes every weight as three buffers and a format number:
+//   float32 / bfloat16   data [E, K, N]                              (scale, global: empty)
+//   FP8 block            data uint8 [E, N, K], scale float32 [E, ceil(N/128), ceil(K/128)]
+//   MXFP4                data uint8 [E, N, K/2], scale uint8 [E, N, K/32]
+//   NVFP4                data uint8 [E, N, K/2], scale uint8 (e4m3) [E, N, K/16], global float32 [E]
+//                        (format 5: the global scale multiplies, ModelOpt's weight_scale_2)
+// A dense layer is the case E = 1.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "float_cols.h"
+#include "packed_rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace tj {
+
+namespace ffi = xla::ffi;
+
+struct Weight {
+  int fmt = kFloat32;
+  int64_t E = 0, N = 0, K = 0;
+  const uint8_t* data = nullptr;
+  const uint8_t* scale = nullptr;
+  const float* global = nullptr;
+  int64_t data_stride = 0, scale_stride = 0;  // bytes per expert
+
+  // Output units per work item: 64 packed rows, or 64-column tiles of a float kernel (`cols_per_item` of them).
+  int64_t item_width(int64_t cols_per_item = 64) const { return is_packed(fmt) ? 64 : cols_per_item; }
+
+  PackedWeight packed(int64_t e) const {
+    PackedWeight p;
+    p.fmt = fmt;
+    p.N = N;
+    p.K = K;
+    p.data = data + e * data_stride;
+    p.scale = scale + e * scale_stride;
+    p.global = is_nv(fmt) ? global[e] : 1.0f;
+    return p;
+  }
+
+  // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format.
+  void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo) const {
+    if (is_packed(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
+    if (fmt == kFloat32)
+      return float_cols(reinterpret_cast<const float*>(data + e * data_stride), N, K, x, R, ldx, n0, n1, out, ldo);
+    return float_cols(reinterpret_cast<const uint16_t*>(data + e * data_stride), N, K, x, R, ldx, n0, n1, out, ldo);
+  }
+};
+
+template <typename Dims>
+inline int64_t product(const Dims& d) {
+  int64_t n = 1;
+  for (int64_t v : d) n *= v;
+  return n;
+}
+
+// Reads one weight; an empty string when it is consistent, else what is wrong (`what` names it).
+inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                ffi::AnyBuffer global, Weight* w) {
+  const std::string name(what);
+  auto d = data.dimensions();
+  if (d.size() != 3) return name + ": expected a 3-d weight";
+  w->fmt = int(fmt);
+  w->E = d[0];
+  w->data = static_cast<const uint8_t*>(data.untyped_data());
+  if (fmt == kFloat32 || fmt == kBFloat16) {
+    const auto want = fmt == kFloat32 ? ffi::DataType::F32 : ffi::DataType::BF16;
+    if (data.element_type() != want) return name + ": dtype does not match its format";
+    w->K = d[1];
+    w->N = d[2];
+    w->data_stride = d[1] * d[2] * (fmt == kFloat32 ? 4 : 2);
+    return "";
+  }
+  if (!is_packed(int(fmt))) return name + ": unknown weight format " + std::to_string(fmt);
+  if (data.element_type() != ffi::DataType::U8) return name + ": packed codes must be uint8";
+  w->N = d[1];
+  w->K = fmt == kFp8Block ? d[2] : 2 * d[2];
+  w->data_stride = d[1] * d[2];
+  auto s = scale.dimensions();
+  w->scale = static_cast<const uint8_t*>(scale.untyped_data());
+  if (fmt == kFp8Block) {
+    if (scale.element_type() != ffi::DataType::F32 || s.size() != 3 || s[0] != w->E ||
+        s[1] != (w->N + kFp8Tile - 1) / kFp8Tile || s[2] != (w->K + kFp8Tile - 1) / kFp8Tile)
+      return name + ": FP8 scale_inv must be float32 [E, ceil(N/128), ceil(K/128)]";
+    w->scale_stride = s[1] * s[2] * 4;
+    return "";
+  }
+  const int64_t block = fmt == kMxfp4 ? 32 : 16;
+  if (w->K % block != 0) return name + ": K must be a multiple of the scale block";
+  if (scale.element_type() != ffi::DataType::U8 || s.size() != 3 || s[0] != w->E || s[1] != w->N ||
+      s[2] != w->K / block)
+    return name + ": FP4 scales must be uint8 [E, N, K/block]";
+  w->scale_stride = s[1] * s[2];
+  if (is_nv(int(fmt))) {
+    if (global.element_type() != ffi::DataType::F32 || product(global.dimensions()) != w->E)
+      return name + ": NVFP4 global scale must be float32 [E]";
+    w->global = static_cast<const float*>(global.untyped_data());
+  }
+  return "";
+}
+
+// Runs fn(0 .. items-1) on up to `max_workers` workers of XLA's intra-op pool, the calling thread being one of
+// them, and returns when every item is done. A pool task that starts late finds no item left and touches only
+// the shared state (held by shared_ptr).
+inline void run_items(ffi::ThreadPool& pool, int64_t items, int64_t max_workers, std::function<void(int64_t)> fn) {
+  if (items <= 0) return;
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t items = 0;
+    std::function<void(int64_t)> fn;
+  };
+  auto st = std::make_shared<State>();
+  st->items = items;
+  st->fn = std::move(fn);
+  auto work = [st] {
+    for (int64_t i; (i = st->next.fetch_add(1)) < st->items;) {
+      st->fn(i);
+      st->done.fetch_add(1);
+    }
+  };
+  const int64_t pool_size = std::max<int64_t>(1, pool.num_threads());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>({items, max_workers, pool_size}));
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule(std::function<void()>(work));
+  work();
+  while (st->done.load() != items) std::this_thread::yield();
+}
+
+}  // namespace tj
