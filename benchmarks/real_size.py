@@ -117,7 +117,8 @@ def _truncated(model: Any, depth: int) -> Any:
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = config["layer_types"][:depth]
     params = dict(model.params, layers=model.params["layers"][:depth])
-    return CausalLM(spec=spec_from_config(config), params=params, moe_configs=model.moe_configs[:depth],
+    spec = dataclasses.replace(spec_from_config(config), dense_impl=model.spec.dense_impl)
+    return CausalLM(spec=spec, params=params, moe_configs=model.moe_configs[:depth],
                     config=config, dtype=model.dtype)
 
 
@@ -137,7 +138,7 @@ class Decoder:
             B, T = ids.shape
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
             ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.broadcast_to(slots < T, (B, max_len)))
-            logits, cache = model.forward_fn(params, ids, ctx, cache)
+            logits, cache = model.forward_fn(params, ids, ctx, cache, logits_at=jnp.full((B,), T - 1))
             return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
         def step(params, tok, index, cache):

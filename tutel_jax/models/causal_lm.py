@@ -29,7 +29,7 @@ from .dequant import DequantizedTensors, QuantizedTensors, check_quantization_co
 from .hf_tables import load_params
 from .placement import MeshPlacement
 from .quant_layout import check_checkpoint_header
-from .layers import AttnContext, check_dense_impl, linear, rms_norm, rope_cos_sin, swiglu_mlp
+from .layers import AttnContext, check_dense_impl, rms_norm, rope_cos_sin, swiglu_mlp, unembed
 from .spec import DecoderSpec, spec_from_config
 
 __all__ = ["CausalLM", "forward", "from_pretrained", "context_from_mask"]
@@ -45,7 +45,8 @@ def context_from_mask(attention_mask: jax.Array) -> AttnContext:
 def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None, *,
             spec: DecoderSpec, moe_configs: tuple, return_router: bool = False,
             expert_mesh: tuple[Any, str] | None = None,
-            moe_fn: Callable[[int, dict, jax.Array], tuple[jax.Array, Any]] | None = None):
+            moe_fn: Callable[[int, dict, jax.Array], tuple[jax.Array, Any]] | None = None,
+            logits_at: jax.Array | None = None):
     """Logits of the T new tokens.
 
     Args:
@@ -59,8 +60,10 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
         runs `parallel.expert_sliced` (every device its own experts on all tokens, one all-reduce).
       moe_fn: `moe_fn(i, moe_params, h [B, T, M]) -> (y [B, T, M], aux)` runs MoE layer i instead of
         `moe_apply` / expert_mesh (e.g. a trainer's expert-parallel layer; forward drops aux, moe_fn may record it).
+      logits_at: [B] int, the one new token per row whose logits are wanted (a prefill samples from one
+        position: the lm_head then runs on B rows instead of B x T).
     Returns:
-      (logits float32 [B, T, V], new cache or None[, router]).
+      (logits float32 [B, T, V] (with logits_at: [B, 1, V]), new cache or None[, router]).
     """
     x = jnp.take(params["embed"], input_ids, axis=0)
     cos, sin = rope_cos_sin(ctx.positions, np.asarray(spec.inv_freq, np.float32), spec.attention_factor)
@@ -87,11 +90,11 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
         else:
             y = swiglu_mlp(lp["mlp"], h, spec.dense_impl)
         x = x + y
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32).reshape(-1, 1, 1), axis=1)  # [B, 1, M]
     x = rms_norm(x, params["norm"], spec.eps)
-    if "lm_head" in params:
-        logits = linear(x, params["lm_head"], impl=spec.dense_impl)
-    else:  # tied: the embedding [V, M] is the head's [out, in] weight
-        logits = jnp.einsum("...m,vm->...v", x, params["embed"])
+    # lm_head [V, M] as stored (tied: the embedding)
+    logits = unembed(x, params["lm_head"] if "lm_head" in params else params["embed"], spec.dense_impl)
     logits = logits.astype(jnp.float32)
     out = (logits, None if cache is None else new_cache)
     return out + (router,) if return_router else out

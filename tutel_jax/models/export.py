@@ -35,7 +35,7 @@ def hf_tensors(model: Any) -> dict[str, np.ndarray]:
     arr = lambda a: np.asarray(a)
     out = {"model.embed_tokens.weight": arr(params["embed"]), "model.norm.weight": arr(params["norm"])}
     if "lm_head" in params:
-        out["lm_head.weight"] = unkernel(params["lm_head"])
+        out["lm_head.weight"] = arr(params["lm_head"])  # [V, M], as stored
     attn = attention_table(spec)
     for i, lp in enumerate(params["layers"]):
         p = f"model.layers.{i}."

@@ -131,5 +131,5 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
     params = {"embed": cast(_read(tensors, "model.embed_tokens.weight", shapes["embed"])), "layers": layers,
               "norm": cast(_read(tensors, "model.norm.weight", shapes["norm"]))}
     if not spec.tie_word_embeddings:  # tied: forward uses params["embed"]
-        params["lm_head"] = cast(kernel(_read(tensors, "lm_head.weight", shapes["lm_head"])))
+        params["lm_head"] = cast(_read(tensors, "lm_head.weight", shapes["lm_head"]))  # [V, M] as stored
     return params, tuple(moe_configs)

@@ -2,7 +2,7 @@
 masked attention with an optional static KV cache and attention sinks, dense SwiGLU MLP.
 
 Float linear weights are kernels [in, out] (`linear(x, w, b)` computes `x @ w + b`; see `param_layout`);
-quantized containers keep the on-disk [out, in] blocks.
+quantized containers keep the on-disk [out, in] blocks, and so do the lm_head and the embedding (`unembed`).
 Shapes: B batch, T new tokens, L key slots (T without a cache, the static cache length with one),
 Hq / Hkv query / key-value heads, D head dim.
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import quant_weights
 
-__all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
 
 
@@ -52,6 +52,18 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
         return dense(x, w, b).astype(x.dtype)
     y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
     return y if b is None else y + b
+
+
+def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
+    """Logits x [..., M] @ table[V, M].T -> [..., V] in x's dtype: the lm_head (or a tied embedding) as the
+    checkpoint stores it, [out, in] rows (read contiguously, one dot product per vocabulary entry). impl as in
+    `linear`."""
+    from ..native.dense import dense, worth_it  # lazy: builds nothing until the kernel is first used
+    if impl == "native" or (impl == "auto" and worth_it(x, table)):
+        return dense(x, table, rows=True).astype(x.dtype)
+    if quant_weights.is_quantized(table):
+        return quant_weights.dense(x, table)
+    return jnp.einsum("...m,vm->...v", x, table.astype(x.dtype))
 
 
 def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array, impl: str = "auto") -> jax.Array:

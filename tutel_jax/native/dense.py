@@ -1,9 +1,10 @@
 """A dense linear layer for a few rows in one native CPU call (`dense_cpu.cc`, an XLA FFI custom call).
 
-    dense(x [..., K], w, b=None) -> float32 [..., N]
+    dense(x [..., K], w, b=None, rows=False) -> float32 [..., N]
 
-`w` is a float32 / bfloat16 kernel [K, N] (the models' [in, out] layout) or a packed container
-(`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4) in the checkpoint's [N, K] layout. A decode step's attention
+`w` is a float32 / bfloat16 kernel [K, N] (the models' [in, out] layout), float rows [N, K] (`rows=True`: an
+lm_head or a tied embedding as stored) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4)
+in the checkpoint's [N, K] layout. A decode step's attention
 projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
 packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
 `worth_it(x, w)` is the models' rule for using it (CPU, a few rows, a weight the kernel reads).
@@ -47,7 +48,7 @@ def available() -> bool:
 
 
 def worth_it(x: jax.Array, w: Any) -> bool:
-    """The kernel's case: CPU, at most MAX_ROWS rows, a bfloat16 kernel [K, N] or a packed weight it reads."""
+    """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads."""
     if math.prod(x.shape[:-1]) > MAX_ROWS or unsupported(w) is not None:
         return False
     if not quant_weights.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):
@@ -55,18 +56,20 @@ def worth_it(x: jax.Array, w: Any) -> bool:
     return available()
 
 
-def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, max_workers: int | None = None) -> jax.Array:
-    """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N] or a packed container [N, K]."""
+def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, max_workers: int | None = None
+          ) -> jax.Array:
+    """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N], float rows [N, K] (`rows`) or a
+    packed container [N, K]."""
     workers = check_max_workers(max_workers, "dense")
     shape = quant_weights.logical_shape(w)
     if len(shape) != 2:
         raise ValueError(f"dense: expected a 2-d weight, got {shape}")
-    n, k = shape if quant_weights.is_quantized(w) else shape[::-1]
+    n, k = shape if rows or quant_weights.is_quantized(w) else shape[::-1]
     if x.shape[-1] != k:
         raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match the weight's K={k}")
     if b is not None and tuple(b.shape) != (n,):
         raise ValueError(f"dense: bias must be [{n}], got {tuple(b.shape)}")
-    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w))
+    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w), rows=rows)
     ensure_registered()
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")

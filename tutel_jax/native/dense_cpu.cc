@@ -2,11 +2,13 @@
 //
 //   y [R, N] = x [R, K] @ W (+ b [N])
 //
-// W float32 / bfloat16 [K, N] ([in, out], streamed row by row over blocks of columns) or packed FP8 block /
-// MXFP4 / NVFP4 [N, K] (the checkpoint's [out, in], decoded in registers); see weights.h. Decoding reads every
-// weight byte once: the layer runs at the speed of memory, not at XLA:CPU's (which converts a bfloat16 or
-// packed weight to float32 in memory before its matmul). Work is split by output blocks over XLA's intra-op
-// thread pool.
+// W float32 / bfloat16 [K, N] ([in, out]), or [N, K] rows: packed FP8 block / MXFP4 / NVFP4 (the checkpoint's
+// [out, in], decoded in registers) or float (an lm_head as stored); see weights.h. Every weight byte is read
+// once: the layer runs at the speed of memory, not at XLA:CPU's (which converts a bfloat16 or packed weight to
+// float32 in memory before its matmul). Work over XLA's intra-op thread pool: rows by blocks of outputs; a
+// [K, N] kernel whose [R, N] output fits in L2 by blocks of its input rows (each block a contiguous stretch of
+// memory, summed into its own partial output, the partials added up in block order), a wider one by blocks of
+// 2048 columns (4 KB of each bfloat16 row).
 
 #include <cstdint>
 #include <cstring>
@@ -19,7 +21,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kFloatColsPerItem = 256;  // 512 contiguous bytes per bf16 weight row and item
+constexpr int64_t kFloatColsPerItem = 2048;       // a wide [K, N] kernel: columns per item
+constexpr int64_t kSplitMaxOutBytes = 256 << 10;  // [R, N] partial outputs up to this size: split K instead
+constexpr int64_t kSplitBlocks = 32;              // input-row blocks of a split kernel
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_data, ffi::AnyBuffer w_scale,
                      ffi::AnyBuffer w_global, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> y,
@@ -41,6 +45,26 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   for (int64_t r = 0; r < R; ++r) tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
   float* out = y->typed_data();
   const float* bias = b.typed_data();
+  if (!tj::is_rows(w.fmt) && R * N * int64_t(sizeof(float)) <= kSplitMaxOutBytes) {
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kSplitBlocks, K / 16));
+    const int64_t step = (K + blocks - 1) / blocks;
+    std::vector<float> partial(blocks * R * N, 0.0f);
+    tj::run_items(pool, blocks, max_workers, [&](int64_t i) {
+      const int64_t k0 = i * step, k1 = std::min(K, k0 + step);
+      if (k0 < k1) w.kernel_part(0, xa.data(), int(R), K, k0, k1, 0, N, partial.data() + i * R * N, N);
+    });
+    constexpr int64_t kSumCols = 1024;
+    tj::run_items(pool, (N + kSumCols - 1) / kSumCols, max_workers, [&](int64_t j) {
+      const int64_t n0 = j * kSumCols, n1 = std::min(N, n0 + kSumCols);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
+          float acc = has_b ? bias[n] : 0.0f;
+          for (int64_t i = 0; i < blocks; ++i) acc += partial[(i * R + r) * N + n];
+          out[r * N + n] = acc;
+        }
+    });
+    return ffi::Error::Success();
+  }
   const int64_t width = w.item_width(kFloatColsPerItem);
   tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);

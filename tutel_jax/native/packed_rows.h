@@ -1,6 +1,7 @@
-// tutel-jax native CPU kernels: packed weight rows (FP8 block, MXFP4, NVFP4) times a few activation rows.
+// tutel-jax native CPU kernels: weight rows (FP8 block, MXFP4, NVFP4, float32 / bfloat16) times a few activation
+// rows.
 //
-// A packed weight is the checkpoint's [N, K] ([out, in]) tensor of one expert (or one dense layer):
+// A weight in rows is the checkpoint's [N, K] ([out, in]) tensor of one expert (or one dense layer):
 //   FP8 block  e4m3 codes [N, K], float32 scale_inv [ceil(N/128), ceil(K/128)]      w = f32(code) * scale_inv
 //   MXFP4      E2M1 nibbles [N, K/2] (low nibble = even element), E8M0 scales [N, K/32]  w = LUT[c] * 2^(s-127)
 //   NVFP4      E2M1 nibbles [N, K/2], e4m3 scales [N, K/16], float32 global g          w = LUT[c] * (f32(s) / g)
@@ -31,12 +32,18 @@
 namespace tj {
 
 // The weight formats, as the Python side numbers them (tutel_jax/native/weights.py).
-// kNvfp4Mul: NVFP4 whose global scale multiplies (ModelOpt's weight_scale_2) instead of dividing.
-enum Format : int { kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5 };
+// kFloat32 / kBFloat16: [K, N] kernels (float_cols.h). The others are [N, K] rows (this file): kNvfp4Mul is NVFP4
+// whose global scale multiplies (ModelOpt's weight_scale_2); kFloat32Rows / kBFloat16Rows are float [N, K] weights
+// (an lm_head or a tied embedding as stored).
+enum Format : int {
+  kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5, kFloat32Rows = 6,
+  kBFloat16Rows = 7
+};
 
 inline bool is_nv(int fmt) { return fmt == kNvfp4 || fmt == kNvfp4Mul; }
 inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
 inline bool is_packed(int fmt) { return fmt == kFp8Block || is_fp4(fmt); }
+inline bool is_rows(int fmt) { return is_packed(fmt) || fmt == kFloat32Rows || fmt == kBFloat16Rows; }
 
 constexpr int kChunk = 32;      // elements per decoded chunk (two 16-lane vectors)
 constexpr int kMaxRows = 8;     // activation rows per register pass
@@ -70,7 +77,7 @@ struct PackedWeight {
   const uint8_t* scale = nullptr;  // [N, K/32] E8M0, [N, K/16] e4m3, or float32 [ceil(N/128), ceil(K/128)]
   float global = 1.0f;             // NVFP4's global scale
 
-  int64_t row_bytes() const { return fmt == kFp8Block ? K : K / 2; }
+  int64_t row_bytes() const { return fmt == kFp8Block ? K : fmt == kFloat32Rows ? 4 * K : fmt == kBFloat16Rows ? 2 * K : K / 2; }
   int64_t scales_per_row() const { return fmt == kMxfp4 ? K / 32 : K / 16; }
 };
 
@@ -85,6 +92,8 @@ inline void scale_table(const PackedWeight& w, float table[256]) {
 
 // Weight element k of row n as float32 (the portable path and the K tails).
 inline float decode_one(const PackedWeight& w, const float* table, int64_t n, int64_t k) {
+  if (w.fmt == kFloat32Rows) return reinterpret_cast<const float*>(w.data)[n * w.K + k];
+  if (w.fmt == kBFloat16Rows) return bf16_to_float(reinterpret_cast<const uint16_t*>(w.data)[n * w.K + k]);
   if (w.fmt == kFp8Block) {
     const float* s = reinterpret_cast<const float*>(w.scale);
     const int64_t cols = (w.K + kFp8Tile - 1) / kFp8Tile;
@@ -243,6 +252,23 @@ inline void fp4_dot_rows(const uint8_t* codes, const uint8_t* scales, const floa
   }
 }
 
+struct FloatRowChunks {
+  const float* f32;    // or
+  const uint16_t* bf16;
+  inline void get(int64_t c, __m512& w0, __m512& w1) const {
+    if (f32) {
+      _mm_prefetch(reinterpret_cast<const char*>(f32 + c * kChunk) + kPrefetchBytes, _MM_HINT_T0);
+      w0 = _mm512_loadu_ps(f32 + c * kChunk);
+      w1 = _mm512_loadu_ps(f32 + c * kChunk + 16);
+      return;
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(bf16 + c * kChunk) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i h = _mm512_loadu_si512(bf16 + c * kChunk);  // 32 bfloat16: bits << 16 are float32 bits
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+  }
+};
+
 // out[r * ldo] = dot(row, xa[r * ldx]) for R rows: each chunk decoded once, used by all R rows.
 template <int R, typename Chunks>
 inline void dot_row(const Chunks& chunks, int64_t full_chunks, const float* xa, int64_t ldx, float* acc_out) {
@@ -281,7 +307,7 @@ inline void dot_rows(const Chunks& chunks, int64_t full_chunks, const float* xa,
 inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t ldx, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
   float table[256];
-  if (w.fmt != kFp8Block) scale_table(w, table);
+  if (is_fp4(w.fmt)) scale_table(w, table);
   const int64_t K = w.K;
 #ifdef TUTEL_JAX_AVX512
   const int64_t full = K / kChunk, tail0 = full * kChunk;
@@ -294,6 +320,12 @@ inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t l
       const float* x = xa + r0 * ldx;
       if (w.fmt == kFp8Block) {
         Fp8Chunks ch{w.data + n * K, fp8_scales + (n / kFp8Tile) * fp8_cols};
+        dot_rows(ch, full, x, ldx, rows, sums);
+      } else if (w.fmt == kFloat32Rows) {
+        FloatRowChunks ch{reinterpret_cast<const float*>(w.data) + n * K, nullptr};
+        dot_rows(ch, full, x, ldx, rows, sums);
+      } else if (w.fmt == kBFloat16Rows) {
+        FloatRowChunks ch{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K};
         dot_rows(ch, full, x, ldx, rows, sums);
       } else {
         fp4_dot_rows(w.data + n * (K / 2), w.scale + n * w.scales_per_row(), table, is_nv(w.fmt), K, x, ldx,

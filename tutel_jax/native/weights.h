@@ -3,6 +3,7 @@
 //
 // The Python side (tutel_jax/native/weights.py) passes every weight as three buffers and a format number:
 //   float32 / bfloat16   data [E, K, N]                              (scale, global: empty)
+//   the same as rows     data [E, N, K]                              (formats 6 and 7)
 //   FP8 block            data uint8 [E, N, K], scale float32 [E, ceil(N/128), ceil(K/128)]
 //   MXFP4                data uint8 [E, N, K/2], scale uint8 [E, N, K/32]
 //   NVFP4                data uint8 [E, N, K/2], scale uint8 (e4m3) [E, N, K/16], global float32 [E]
@@ -36,7 +37,7 @@ struct Weight {
   int64_t data_stride = 0, scale_stride = 0;  // bytes per expert
 
   // Output units per work item: 64 packed rows, or 64-column tiles of a float kernel (`cols_per_item` of them).
-  int64_t item_width(int64_t cols_per_item = 64) const { return is_packed(fmt) ? 64 : cols_per_item; }
+  int64_t item_width(int64_t cols_per_item = 64) const { return is_rows(fmt) ? 64 : cols_per_item; }
 
   PackedWeight packed(int64_t e) const {
     PackedWeight p;
@@ -49,12 +50,21 @@ struct Weight {
     return p;
   }
 
+  // A float [K, N] kernel over inputs [k0, k1) only: out[r, n - n0] = sum_{k0 <= k < k1} x[r, k] * W_e[k, n].
+  void kernel_part(int64_t e, const float* x, int R, int64_t ldx, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
+                   float* out, int64_t ldo) const {
+    if (fmt == kFloat32) {
+      const float* w0 = reinterpret_cast<const float*>(data + e * data_stride) + k0 * N;
+      return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
+    }
+    const uint16_t* w0 = reinterpret_cast<const uint16_t*>(data + e * data_stride) + k0 * N;
+    return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
+  }
+
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format.
   void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo) const {
-    if (is_packed(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
-    if (fmt == kFloat32)
-      return float_cols(reinterpret_cast<const float*>(data + e * data_stride), N, K, x, R, ldx, n0, n1, out, ldo);
-    return float_cols(reinterpret_cast<const uint16_t*>(data + e * data_stride), N, K, x, R, ldx, n0, n1, out, ldo);
+    if (is_rows(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
+    kernel_part(e, x, R, ldx, 0, K, n0, n1, out, ldo);
   }
 };
 
@@ -80,6 +90,14 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
     w->K = d[1];
     w->N = d[2];
     w->data_stride = d[1] * d[2] * (fmt == kFloat32 ? 4 : 2);
+    return "";
+  }
+  if (fmt == kFloat32Rows || fmt == kBFloat16Rows) {
+    const auto want = fmt == kFloat32Rows ? ffi::DataType::F32 : ffi::DataType::BF16;
+    if (data.element_type() != want) return name + ": dtype does not match its format";
+    w->N = d[1];
+    w->K = d[2];
+    w->data_stride = d[1] * d[2] * (fmt == kFloat32Rows ? 4 : 2);
     return "";
   }
   if (!is_packed(int(fmt))) return name + ": unknown weight format " + std::to_string(fmt);

@@ -3,6 +3,7 @@
     weight_args(w) -> (format, data, scale, global_scale)
 
   float32 / bfloat16 kernel [E, K, N] ([in, out])       -> FLOAT32 / BFLOAT16, data as is
+  float32 / bfloat16 rows [E, N, K] ([out, in], `rows`)  -> FLOAT32_ROWS / BFLOAT16_ROWS (an lm_head as stored)
   Fp8BlockWeight [E, N, K] (`pallas_kernels.quant`)      -> FP8_BLOCK, e4m3 codes as uint8, scale_inv float32
   Mxfp4Weight blocks [E, N, K/32, 16]                    -> MXFP4, codes uint8 [E, N, K/2], E8M0 scales
   Nvfp4Weight packed [E, N, K/2]                         -> NVFP4, codes, e4m3 scales as uint8, global [E]
@@ -21,9 +22,9 @@ import jax.numpy as jnp
 
 from .. import quant_weights
 
-__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "weight_args", "unsupported", "empty"]
+__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "weight_args", "unsupported", "empty"]
 
-FLOAT32, BFLOAT16, FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = 0, 1, 2, 3, 4, 5
+FLOAT32, BFLOAT16, FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL, FLOAT32_ROWS, BFLOAT16_ROWS = range(8)
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -45,12 +46,15 @@ def _codes(a: jax.Array) -> jax.Array:
     return a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)
 
 
-def weight_args(w: Any) -> tuple[int, jax.Array, jax.Array, jax.Array]:
-    """(format, data, scale, global) of a float kernel [E, K, N] or a packed container [E, N, K]."""
+def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, jax.Array]:
+    """(format, data, scale, global) of a float kernel [E, K, N] (`rows`: float rows [E, N, K]) or a packed
+    container [E, N, K]."""
     reason = unsupported(w)
     if reason is not None:
         raise ValueError(f"the native kernels cannot read {reason}")
     if not quant_weights.is_quantized(w):
+        if rows:
+            return (FLOAT32_ROWS if w.dtype == jnp.float32 else BFLOAT16_ROWS), w, empty(), empty()
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()
     if w.format == "fp8_block":
         return FP8_BLOCK, _codes(w.weight), w.scale_inv.astype(jnp.float32), empty()

@@ -113,8 +113,8 @@ def _prefill(apply, params, ids, lengths, rows, cache, sampling):
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (G, Tb))
     # right padding: a real token never sees the padding after it (causal), so every slot may be "valid"
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.ones((G, Tb), bool))
-    logits, small = apply(params, ids, ctx, small)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [G, V]
+    logits, small = apply(params, ids, ctx, small, logits_at=lengths - 1)
+    last = logits[:, 0]  # [G, V]: each row's last prompt token
     cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
     return _sample(last, sampling), finite_rows(last), cache
 

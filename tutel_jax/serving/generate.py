@@ -132,7 +132,7 @@ def finite_rows(logits: jax.Array) -> jax.Array:
 def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling):
     """(tokens [B], finite [B], last logits [B, V], cache)."""
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
-    logits, cache = apply(params, ids, ctx, cache)
+    logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((ids.shape[0],), ids.shape[1] - 1))
     last = logits[:, -1]
     return sample_next(last, key, *sampling), finite_rows(last), last, cache
 
@@ -228,7 +228,7 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
 
     Args:
       model: a `tutel_jax.models.CausalLM` (anything with `.params`, `.init_cache(B, L)` and a pure, hashable
-        `.forward_fn(params, ids, ctx, cache) -> (logits, cache)`).
+        `.forward_fn(params, ids, ctx, cache, logits_at=None) -> (logits, cache)`).
       input_ids: [B, T] int prompts; attention_mask [B, T] (1 = token) for prompts of different lengths,
         left or right padded.
       eos_token_id: a stop token (an alias kept for `stop_token_ids=eos_token_id`; both may be given).
