@@ -18,6 +18,9 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
   roofline  bytes read per decode step / step time / copy bandwidth. Bytes per step: every non-expert weight
           (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
           E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).
+  serve   after the child has exited: `tutel-jax serve` (bfloat16, --max-len slots per row) answers the
+          official `openai` client (a chat completion, then a streamed one), then a few concurrent clients send
+          completions: req/s and p50 / p99 latency (`measure_serving`).
 `--quick` runs the `-tiny` variants (a few MB; generated into the cache directory when missing) with a short
 prompt: the CI smoke test. Results: benchmarks/results/real_size_cpu.{json,md}; results there for other models,
 measured with the same settings, are kept (each row says its date).
@@ -59,9 +62,14 @@ class Settings:
     depths: tuple[int, ...] = (4, 12, 24)
     max_len: int = 1024
     copy_mib: int = 256
+    serve_clients: int = 4        # concurrent clients of the serving run (0: no serving run)
+    serve_requests: int = 8
+    serve_max_tokens: int = 8
+    serve_max_len: int = 256      # the server's --max-len: KV cache slots per row
 
 
-QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32)
+QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32, serve_clients=2,
+                 serve_requests=4, serve_max_tokens=4, serve_max_len=64)
 
 
 # ----------------------------------------------------------------------------------------- child measurements
@@ -252,6 +260,48 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     return out
 
 
+def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
+    """`tutel-jax serve` on the checkpoint (bfloat16, KV cache of --max-len slots per row, continuous batching
+    of up to serve_clients rows): one chat completion and one streamed one through the official `openai`
+    client, then serve_clients concurrent clients sending serve_requests completions (16 random byte ids each,
+    greedy, serve_max_tokens tokens): req/s, tokens/s, p50/p99 latency."""
+    import openai
+
+    from benchmarks.serve import _quantile, run_level, start_server
+
+    s = settings
+    rows = [1 << i for i in range(s.serve_clients.bit_length()) if 1 << i <= s.serve_clients]
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        start = time.perf_counter()
+        proc, base = start_server(str(model_dir), s.serve_clients, 5.0, log, warm_batches=rows, warm_lens=(16,),
+                                  max_tokens=s.serve_max_tokens, healthy_within_s=1800,
+                                  extra_args=("--dtype", "bfloat16", "--max-len", str(s.serve_max_len)))
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - start, "max_len": s.serve_max_len}
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600)
+            messages = [{"role": "user", "content": "Hello"}]
+            chat = client.chat.completions.create(model=model_dir.name, messages=messages,
+                                                  max_tokens=s.serve_max_tokens, temperature=0)
+            chunks = list(client.chat.completions.create(model=model_dir.name, messages=messages,
+                                                         max_tokens=s.serve_max_tokens, temperature=0, stream=True))
+            out.update(chat_completion_tokens=chat.usage.completion_tokens, chat_finish=chat.choices[0].finish_reason,
+                       stream_chunks=len(chunks), stream_finish=chunks[-1].choices[0].finish_reason)
+            rng = np.random.default_rng(1)
+            prompts = [rng.integers(0, 256, 16).tolist() for _ in range(s.serve_requests)]
+            run_level(base, s.serve_clients, s.serve_clients, prompts, s.serve_max_tokens)  # untimed
+            lat, wall, toks = run_level(base, s.serve_clients, s.serve_requests, prompts, s.serve_max_tokens)
+            out.update(clients=s.serve_clients, requests=s.serve_requests, wall_s=wall,
+                       requests_per_s=s.serve_requests / wall, tokens_per_s=toks / wall,
+                       latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ driver
 
 def _child(model_dir: Path, settings: Settings, timeout: float) -> dict[str, Any]:
@@ -270,6 +320,13 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
 
+def _serve_cell(serve: dict[str, Any] | None) -> str:
+    if not serve:
+        return "-"
+    return (f"{serve['clients']}, {serve['requests_per_s']:.2f}, {serve['latency_p50_s']:.1f} / "
+            f"{serve['latency_p99_s']:.1f}")
+
+
 def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     rows = []
     for r in results:
@@ -278,10 +335,11 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         rows.append([r["model"], _gb(r["resident_bytes"]), _gb(r["peak_rss_load_bytes"]),
                      f"{r['load_s']:.1f} ({r['disk_s']:.1f})", compile_s, f"{r['ttft_s']:.2f}",
                      f"{d1.get('tokens_per_s', float('nan')):.2f}", f"{d8.get('tokens_per_s', float('nan')):.2f}",
-                     f"{d1.get('roofline_ratio', float('nan')):.3f}"])
+                     f"{d1.get('roofline_ratio', float('nan')):.3f}", _serve_cell(r.get("serve"))])
     table = markdown_table(["model", "resident GB", "peak RSS GB (load)", "load s (disk read s)",
                             "compile s by layers", f"TTFT s ({results[0]['prompt_len']} tokens)",
-                            "decode tok/s b=1", "decode tok/s b=8", "roofline ratio b=1"], rows)
+                            "decode tok/s b=1", "decode tok/s b=8", "roofline ratio b=1",
+                            "serve: clients, req/s, p50 / p99 s"], rows)
     dates = ", ".join(f"{r['model']} {r.get('date', info.get('date'))}" for r in results)
     head = (f"Measured on {info.get('backend', 'cpu')} ({info.get('cpu_count')} CPUs), jax {info.get('jax_version')} "
             f"({dates}). bfloat16 dense weights, experts packed as stored. Roofline ratio: bytes read per "
@@ -343,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             make_real_size.make_model(name, cache, progress=False)
         print(f"measuring {name} ...", flush=True)
         results.append(_child(model_dir, settings, args.timeout))
+        if settings.serve_clients:  # after the child has exited: the server holds the only copy of the model
+            results[-1]["serve"] = measure_serving(model_dir, settings)
         print(json.dumps(results[-1]), flush=True)
     info = machine_info()
     for r in results:

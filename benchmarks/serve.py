@@ -44,9 +44,10 @@ def _quantile(xs, q):
 
 
 def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log_file, warm_batches=(1,),
-                 warm_lens=(1,), max_tokens: int = 2, batching: str = "continuous", extra_args=()):
+                 warm_lens=(1,), max_tokens: int = 2, batching: str = "continuous", extra_args=(),
+                 healthy_within_s: float = 180):
     """(server process, base URL) of a server started with `--batching` + the words of `batching` (and
-    `extra_args`)."""
+    `extra_args`), once /health answers (within `healthy_within_s`: loading and warmup compiles)."""
     import httpx
     port = free_port()
     env = dict(os.environ)
@@ -58,7 +59,7 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                              *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens), *extra_args],
                             cwd=repo_root(), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + healthy_within_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
