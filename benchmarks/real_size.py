@@ -323,8 +323,8 @@ def _gb(x: float) -> str:
 def _serve_cell(serve: dict[str, Any] | None) -> str:
     if not serve:
         return "-"
-    return (f"{serve['clients']}, {serve['requests_per_s']:.2f}, {serve['latency_p50_s']:.1f} / "
-            f"{serve['latency_p99_s']:.1f}")
+    return (f"{serve['clients']}, {serve['requests_per_s']:.2f}, {serve['latency_p50_s']:.2f} / "
+            f"{serve['latency_p99_s']:.2f}")
 
 
 def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:

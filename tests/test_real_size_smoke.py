@@ -1,6 +1,7 @@
 """`benchmarks/real_size.py --quick` end to end on the depth- and width-reduced GPT-OSS layout (a few MB): the
 checkpoint is generated, loaded packed, compiled at several depths, prefilled and decoded, and the result files
-are written. Timings are not asserted; the load-memory bound and the result's structure are."""
+are written, and `tutel-jax serve` answers the openai client. Timings are not asserted; the load-memory bound and
+the result's structure are."""
 
 from __future__ import annotations
 
@@ -21,5 +22,11 @@ def test_real_size_benchmark_quick(tmp_path):
         assert d["tokens_per_s"] > 0 and 0 < d["roofline_ratio"] and d["bytes_per_step"] > 0
     # batch 8 reads more experts than batch 1, never more than all of them
     assert result["decode"]["1"]["bytes_per_step"] < result["decode"]["8"]["bytes_per_step"] <= result["resident_bytes"]
+    # `tutel-jax serve` answered the openai client (non-stream and stream) and the concurrent clients
+    serve = result["serve"]
+    assert serve["chat_completion_tokens"] == 4 and serve["chat_finish"] == "length"
+    assert serve["stream_finish"] == "length" and serve["stream_chunks"] >= 2
+    assert serve["clients"] == 2 and serve["requests"] == 4 and serve["requests_per_s"] > 0
+    assert 0 < serve["latency_p50_s"] <= serve["latency_p99_s"] and serve["max_len"] == 64
     md = out.with_suffix(".md").read_text()
     assert "| gpt-oss-20b-tiny |" in md and "peak RSS" in md

@@ -180,6 +180,24 @@ struct Fp8Chunks {
   }
 };
 
+// The scales of wide chunk c: lane l holds elements 8l .. 8l+7, in MXFP4 block l/4 (E8M0 computed in place) or
+// NVFP4 block l/2 (gathered from the 256-entry table).
+inline __m512 fp4_wide_scale(const uint8_t* scales, int64_t c, bool nv, const float* table) {
+  if (nv) {
+    const __m512i nv_lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i idx = _mm512_permutexvar_epi32(
+        nv_lane, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * c))));
+    return _mm512_i32gather_ps(idx, table, 4);
+  }
+  const __m512i mx_shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+  uint32_t four;
+  std::memcpy(&four, scales + 4 * c, 4);
+  const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(int(four)), mx_shift), _mm512_set1_epi32(255));
+  const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                               _mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(bits);
+}
+
 // One FP4 row (codes [K/2], scale codes) times R arranged rows: wide chunks first (8 table permutes per 64-byte
 // load, one scale vector per chunk applied to the chunk's partial sums), then 32-element chunks, then the rest.
 template <int R>
@@ -187,28 +205,13 @@ inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float
                         const float* xa, int64_t ldx, float* sums) {
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   const int64_t wide = K / kWide, narrow = (K - wide * kWide) / kChunk;
-  // lane l of a wide chunk holds elements 8l .. 8l+7: MXFP4 block l/4, NVFP4 block l/2
-  const __m512i mx_shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-  const __m512i nv_lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < wide; ++c) {
     // a few lines ahead (into the next rows): memory and arithmetic overlap instead of taking turns
     _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * c + kPrefetchBytes), _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512(codes + 64 * c);
-    __m512 s;
-    if (nv) {
-      const __m512i idx = _mm512_permutexvar_epi32(
-          nv_lane, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * c))));
-      s = _mm512_i32gather_ps(idx, table, 4);
-    } else {
-      uint32_t four;
-      std::memcpy(&four, scales + 4 * c, 4);
-      const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(int(four)), mx_shift), _mm512_set1_epi32(255));
-      const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                                                   _mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000));
-      s = _mm512_castsi512_ps(bits);
-    }
+    const __m512 s = fp4_wide_scale(scales, c, nv, table);
     __m512 part[R];
     const float* xc = xa + c * kWide;
     {
@@ -302,6 +305,111 @@ inline void dot_rows(const Chunks& chunks, int64_t full_chunks, const float* xa,
 
 #endif  // TUTEL_JAX_AVX512
 
+#ifdef TUTEL_JAX_AVX512
+// Row n of w decoded to float32 in the arranged order (dst [K]: dst[k] pairs with xa[k]).
+inline void decode_row(const PackedWeight& w, const float* table, int64_t n, float* dst) {
+  const int64_t K = w.K;
+  int64_t done = 0;
+  if (is_fp4(w.fmt)) {
+    const uint8_t* codes = w.data + n * (K / 2);
+    const uint8_t* scales = w.scale + n * w.scales_per_row();
+    const bool nv = is_nv(w.fmt);
+    const __m512 lut = _mm512_loadu_ps(kE2M1);
+    const int64_t wide = K / kWide;
+    for (int64_t c = 0; c < wide; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * c);
+      const __m512 s = fp4_wide_scale(scales, c, nv, table);
+      for (int j = 0; j < 8; ++j)
+        _mm512_storeu_ps(dst + c * kWide + 16 * j,
+                         _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, _mm512_set1_epi32(4 * j)), lut), s));
+    }
+    done = wide * kWide;
+    Fp4Chunks ch{codes + done / 2, scales + done / (nv ? 16 : 32), table, nv, lut};
+    for (int64_t c = 0; c < (K - done) / kChunk; ++c) {
+      __m512 w0, w1;
+      ch.get(c, w0, w1);
+      _mm512_storeu_ps(dst + done + c * kChunk, w0);
+      _mm512_storeu_ps(dst + done + c * kChunk + 16, w1);
+    }
+    done += (K - done) / kChunk * kChunk;
+  } else {
+    const int64_t full = K / kChunk;
+    auto store = [&](const auto& ch) {
+      for (int64_t c = 0; c < full; ++c) {
+        __m512 w0, w1;
+        ch.get(c, w0, w1);
+        _mm512_storeu_ps(dst + c * kChunk, w0);
+        _mm512_storeu_ps(dst + c * kChunk + 16, w1);
+      }
+    };
+    if (w.fmt == kFp8Block) {
+      const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
+      store(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
+    } else if (w.fmt == kFloat32Rows) {
+      store(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr});
+    } else {
+      store(FloatRowChunks{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K});
+    }
+    done = full * kChunk;
+  }
+  for (int64_t k = done; k < K; ++k) dst[k] = decode_one(w, table, n, k);
+}
+
+// out[r, n] = dot(x[r], wd[n]) for RX x rows and RW decoded weight rows, accumulated in registers.
+template <int RX, int RW>
+inline void dot_tile(const float* x, int64_t ldx, const float* wd, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[RX][RW];
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < RW; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t vec = K / 16 * 16;
+  for (int64_t k = 0; k < vec; k += 16) {
+    __m512 wv[RW];
+    for (int j = 0; j < RW; ++j) wv[j] = _mm512_loadu_ps(wd + j * ldw + k);
+    for (int i = 0; i < RX; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < RW; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RX; ++i)
+    for (int j = 0; j < RW; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t k = vec; k < K; ++k) s += x[i * ldx + k] * wd[j * ldw + k];
+      out[i * ldo + j] = s;
+    }
+}
+
+template <int RW>
+inline void dot_tiles_x(const float* x, int64_t ldx, int rows, const float* wd, int64_t ldw, int64_t K, float* out,
+                        int64_t ldo) {
+  int i = 0;
+  for (; i + 4 <= rows; i += 4) dot_tile<4, RW>(x + i * ldx, ldx, wd, ldw, K, out + i * ldo, ldo);
+  switch (rows - i) {
+    case 3: return dot_tile<3, RW>(x + i * ldx, ldx, wd, ldw, K, out + i * ldo, ldo);
+    case 2: return dot_tile<2, RW>(x + i * ldx, ldx, wd, ldw, K, out + i * ldo, ldo);
+    case 1: return dot_tile<1, RW>(x + i * ldx, ldx, wd, ldw, K, out + i * ldo, ldo);
+    default: return;
+  }
+}
+
+constexpr int kDecodedRows = 8;  // weight rows decoded at once for many activation rows
+
+// The many-rows form: weight rows decoded kDecodedRows at a time into a float buffer (L2), then register tiles
+// of 4 activation rows x 4 weight rows: each weight decoded once per call whatever the number of rows.
+inline void decoded_rows(const PackedWeight& w, const float* table, const float* xa, int R, int64_t ldx,
+                         int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t K = w.K;
+  std::vector<float> wd(kDecodedRows * K);
+  for (int64_t b0 = n0; b0 < n1; b0 += kDecodedRows) {
+    const int nw = int(std::min<int64_t>(kDecodedRows, n1 - b0));
+    for (int j = 0; j < nw; ++j) decode_row(w, table, b0 + j, wd.data() + j * K);
+    float* o = out + (b0 - n0);
+    int j = 0;
+    for (; j + 4 <= nw; j += 4) dot_tiles_x<4>(xa, ldx, R, wd.data() + j * K, K, K, o + j, ldo);
+    for (; j < nw; ++j) dot_tiles_x<1>(xa, ldx, R, wd.data() + j * K, K, K, o + j, ldo);
+  }
+}
+#endif  // TUTEL_JAX_AVX512
+
 // out[r, n - n0] = sum_k xa[r, k] * w[n, k] for r < R, n in [n0, n1). xa: `arrange`d rows (stride ldx);
 // out: row stride ldo.
 inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t ldx, int64_t n0, int64_t n1,
@@ -310,6 +418,7 @@ inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t l
   if (is_fp4(w.fmt)) scale_table(w, table);
   const int64_t K = w.K;
 #ifdef TUTEL_JAX_AVX512
+  if (R > kMaxRows) return decoded_rows(w, table, xa, R, ldx, n0, n1, out, ldo);
   const int64_t full = K / kChunk, tail0 = full * kChunk;
   const float* fp8_scales = reinterpret_cast<const float*>(w.scale);
   const int64_t fp8_cols = (K + kFp8Tile - 1) / kFp8Tile;
