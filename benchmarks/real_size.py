@@ -267,7 +267,7 @@ def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
     greedy, serve_max_tokens tokens): req/s, tokens/s, p50/p99 latency."""
     import openai
 
-    from benchmarks.serve import _quantile, run_level, start_server
+    from benchmarks.serve import _quantile, run_level, start_server, stop_server
 
     s = settings
     rows = [1 << i for i in range(s.serve_clients.bit_length()) if 1 << i <= s.serve_clients]
@@ -294,11 +294,7 @@ def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
                        requests_per_s=s.serve_requests / wall, tokens_per_s=toks / wall,
                        latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return out
 
 
@@ -399,11 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             if not name.endswith("-tiny"):
                 parser.error(f"{model_dir}: no checkpoint; run `python benchmarks/make_real_size.py {name}` first")
             make_real_size.make_model(name, cache, progress=False)
+        if settings.serve_clients and not (model_dir / "tokenizer.json").is_file():
+            parser.error(f"{model_dir}: no tokenizer.json (written since); run `python benchmarks/make_real_size.py "
+                         f"{name}` again (complete shards are kept)")
         print(f"measuring {name} ...", flush=True)
         results.append(_child(model_dir, settings, args.timeout))
+        print(json.dumps(results[-1]), flush=True)
         if settings.serve_clients:  # after the child has exited: the server holds the only copy of the model
             results[-1]["serve"] = measure_serving(model_dir, settings)
-        print(json.dumps(results[-1]), flush=True)
+            print(json.dumps(results[-1]["serve"]), flush=True)
     info = machine_info()
     for r in results:
         r["date"] = info["date"]

@@ -73,6 +73,15 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
     raise RuntimeError("server did not become healthy")
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_level(base: str, c: int, n_requests: int, prompts, max_tokens: int):
     """(latencies [s], wall [s], completion tokens) of n_requests spread over c client threads."""
     import httpx
@@ -122,11 +131,7 @@ def _run_server(a, batching: str, prompts, rows: list) -> float:
                 print(f"{batching:10s} c={c:3d}  {row['requests_per_s']:7.2f} req/s  {row['tokens_per_s']:8.1f} "
                       f"tok/s  p50 {row['latency_p50_ms']:8.1f} ms  p99 {row['latency_p99_ms']:8.1f} ms", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return startup_s
 
 

@@ -84,20 +84,14 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
   w->fmt = int(fmt);
   w->E = d[0];
   w->data = static_cast<const uint8_t*>(data.untyped_data());
-  if (fmt == kFloat32 || fmt == kBFloat16) {
-    const auto want = fmt == kFloat32 ? ffi::DataType::F32 : ffi::DataType::BF16;
-    if (data.element_type() != want) return name + ": dtype does not match its format";
-    w->K = d[1];
-    w->N = d[2];
-    w->data_stride = d[1] * d[2] * (fmt == kFloat32 ? 4 : 2);
-    return "";
-  }
-  if (fmt == kFloat32Rows || fmt == kBFloat16Rows) {
-    const auto want = fmt == kFloat32Rows ? ffi::DataType::F32 : ffi::DataType::BF16;
-    if (data.element_type() != want) return name + ": dtype does not match its format";
-    w->N = d[1];
-    w->K = d[2];
-    w->data_stride = d[1] * d[2] * (fmt == kFloat32Rows ? 4 : 2);
+  const bool kernel = fmt == kFloat32 || fmt == kBFloat16, rows = fmt == kFloat32Rows || fmt == kBFloat16Rows;
+  if (kernel || rows) {  // [E, K, N] kernel or [E, N, K] rows
+    const bool f32 = fmt == kFloat32 || fmt == kFloat32Rows;
+    if (data.element_type() != (f32 ? ffi::DataType::F32 : ffi::DataType::BF16))
+      return name + ": dtype does not match its format";
+    w->K = kernel ? d[1] : d[2];
+    w->N = kernel ? d[2] : d[1];
+    w->data_stride = d[1] * d[2] * (f32 ? 4 : 2);
     return "";
   }
   if (!is_packed(int(fmt))) return name + ": unknown weight format " + std::to_string(fmt);
