@@ -4,9 +4,9 @@
 // The Python side (tutel_jax/native/weights.py) passes every weight as three buffers and a format number:
 //   float32 / bfloat16   data [E, K, N]                              (scale, global: empty)
 //   the same as rows     data [E, N, K]                              (formats 6 and 7)
-//   FP8 block            data uint8 [E, N, K], scale float32 [E, ceil(N/128), ceil(K/128)]
+//   FP8 block            data e4m3 (or its bytes as uint8) [E, N, K], scale float32 [E, ceil(N/128), ceil(K/128)]
 //   MXFP4                data uint8 [E, N, K/2], scale uint8 [E, N, K/32]
-//   NVFP4                data uint8 [E, N, K/2], scale uint8 (e4m3) [E, N, K/16], global float32 [E]
+//   NVFP4                data uint8 [E, N, K/2], scale e4m3 (or uint8) [E, N, K/16], global float32 [E]
 //                        (format 5: the global scale multiplies, ModelOpt's weight_scale_2)
 // A dense layer is the case E = 1.
 
@@ -95,7 +95,8 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
     return "";
   }
   if (!is_packed(int(fmt))) return name + ": unknown weight format " + std::to_string(fmt);
-  if (data.element_type() != ffi::DataType::U8) return name + ": packed codes must be uint8";
+  const auto byte_codes = [](ffi::DataType t) { return t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN; };
+  if (!byte_codes(data.element_type())) return name + ": packed codes must be uint8 (or float8_e4m3fn for FP8)";
   w->N = d[1];
   w->K = fmt == kFp8Block ? d[2] : 2 * d[2];
   w->data_stride = d[1] * d[2];
@@ -110,9 +111,9 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
   }
   const int64_t block = fmt == kMxfp4 ? 32 : 16;
   if (w->K % block != 0) return name + ": K must be a multiple of the scale block";
-  if (scale.element_type() != ffi::DataType::U8 || s.size() != 3 || s[0] != w->E || s[1] != w->N ||
+  if (!byte_codes(scale.element_type()) || s.size() != 3 || s[0] != w->E || s[1] != w->N ||
       s[2] != w->K / block)
-    return name + ": FP4 scales must be uint8 [E, N, K/block]";
+    return name + ": FP4 scales must be uint8 or float8_e4m3fn [E, N, K/block]";
   w->scale_stride = s[1] * s[2];
   if (is_nv(int(fmt))) {
     if (global.element_type() != ffi::DataType::F32 || product(global.dimensions()) != w->E)

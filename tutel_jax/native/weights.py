@@ -4,12 +4,13 @@
 
   float32 / bfloat16 kernel [E, K, N] ([in, out])       -> FLOAT32 / BFLOAT16, data as is
   float32 / bfloat16 rows [E, N, K] ([out, in], `rows`)  -> FLOAT32_ROWS / BFLOAT16_ROWS (an lm_head as stored)
-  Fp8BlockWeight [E, N, K] (`pallas_kernels.quant`)      -> FP8_BLOCK, e4m3 codes as uint8, scale_inv float32
+  Fp8BlockWeight [E, N, K] (`pallas_kernels.quant`)      -> FP8_BLOCK, e4m3 codes, scale_inv float32
   Mxfp4Weight blocks [E, N, K/32, 16]                    -> MXFP4, codes uint8 [E, N, K/2], E8M0 scales
-  Nvfp4Weight packed [E, N, K/2]                         -> NVFP4, codes, e4m3 scales as uint8, global [E]
+  Nvfp4Weight packed [E, N, K/2]                         -> NVFP4, codes, e4m3 scales, global [E]
                                                             (NVFP4_MUL: ModelOpt's multiplying global scale)
 
-Every view is a reshape or a bitcast (no copy of the weight). `unsupported(w)` says why a weight cannot go to
+Every view is a reshape (no copy of the weight; e4m3 codes and scales go as they are, the kernels read their
+bytes). `unsupported(w)` says why a weight cannot go to
 the kernels (None when it can): float dtypes other than float32 and bfloat16.
 """
 
@@ -42,10 +43,6 @@ def unsupported(w: Any) -> str | None:
     return None
 
 
-def _codes(a: jax.Array) -> jax.Array:
-    return a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)
-
-
 def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, jax.Array]:
     """(format, data, scale, global) of a float kernel [E, K, N] (`rows`: float rows [E, N, K]) or a packed
     container [E, N, K]."""
@@ -57,10 +54,10 @@ def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, 
             return (FLOAT32_ROWS if w.dtype == jnp.float32 else BFLOAT16_ROWS), w, empty(), empty()
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()
     if w.format == "fp8_block":
-        return FP8_BLOCK, _codes(w.weight), w.scale_inv.astype(jnp.float32), empty()
+        return FP8_BLOCK, w.weight, w.scale_inv.astype(jnp.float32), empty()
     if w.format == "mxfp4":
         blocks = w.blocks
         return MXFP4, blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1]), w.scales, empty()
     num_experts = w.packed.shape[0]
     glob = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_experts,))
-    return (NVFP4_MUL if w.global_multiplies else NVFP4), w.packed, _codes(w.scale), glob
+    return (NVFP4_MUL if w.global_multiplies else NVFP4), w.packed, w.scale, glob
