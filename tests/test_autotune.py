@@ -218,7 +218,7 @@ def test_runtime_config_carries_the_dropless_impl_into_the_layout():
     with pytest.raises(ValueError, match=r"dropless_impl must be one of \('auto', .*'loop'.*\) or None, got 'fast'"):
         RuntimeConfig.ep(8, dropless_impl="fast")
     with pytest.raises(ValueError, match=r"cannot switch to \[.* dropless=native\]: dropless_impl='native' runs "
-                                         r"unquantized SwiGLU experts"):
+                                         r"SwiGLU \(silu\) or GPT-OSS experts, float or packed; got FFNExperts"):
         plan_layout(config, RuntimeConfig.ep(8, dropless_impl="native"))
 
 
