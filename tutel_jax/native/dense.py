@@ -22,8 +22,7 @@ import numpy as np
 from .. import quant_weights
 from ..vma import varying_like
 from .build import NativeKernelError, register
-from .moe import check_max_workers
-from .weights import empty, unsupported, weight_args
+from .weights import check_max_workers, empty, unsupported, weight_args
 
 __all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
 

@@ -21,26 +21,18 @@ import numpy as np
 from .. import quant_weights
 from ..vma import varying_like
 from .build import register
-from .weights import FLOAT_DTYPES, empty, weight_args
+from .weights import FLOAT_DTYPES, check_max_workers, empty, weight_args
 
 __all__ = ["moe_experts", "moe_swiglu", "GLUS", "WEIGHT_DTYPES", "ensure_registered"]
 
 TARGET = "tutel_jax_moe_experts"
 WEIGHT_DTYPES = FLOAT_DTYPES
 GLUS = ("swiglu", "gpt_oss")
-_MAX_WORKERS = 1 << 30
 
 
 def ensure_registered() -> None:
     """Build (first use on this machine) and register the kernel; raises NativeKernelError when it cannot."""
     register("moe_cpu", "TutelJaxMoeExperts", TARGET)
-
-
-def check_max_workers(max_workers: Any, what: str) -> int:
-    if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int)
-                                    or max_workers < 1):
-        raise ValueError(f"{what}: max_workers must be a positive int or None, got {max_workers!r}")
-    return int(max_workers or _MAX_WORKERS)
 
 
 def _out_in(w: Any, num_experts: int) -> tuple[int, int]:

@@ -77,7 +77,6 @@ struct PackedWeight {
   const uint8_t* scale = nullptr;  // [N, K/32] E8M0, [N, K/16] e4m3, or float32 [ceil(N/128), ceil(K/128)]
   float global = 1.0f;             // NVFP4's global scale
 
-  int64_t row_bytes() const { return fmt == kFp8Block ? K : fmt == kFloat32Rows ? 4 * K : fmt == kBFloat16Rows ? 2 * K : K / 2; }
   int64_t scales_per_row() const { return fmt == kMxfp4 ? K / 32 : K / 16; }
 };
 
