@@ -9,8 +9,9 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
   load    `from_pretrained(dtype=bfloat16)` from a cold page cache again: seconds, resident bytes
           (`memory_report(model).total_bytes`) and the process's peak RSS (VmHWM), against the bound
           1.15 x resident + 1 GiB;
-  compile the jitted one-token decode step (KV cache of --max-len) lowered and compiled for the first 4, 12
-          and 24 layers (as many as the model has), seconds;
+  compile the one-token decode step (KV cache of --max-len) for the first 4, 12 and 24 layers (as many as the
+          model has), seconds: with the model's per-layer programs (a cold step minus a warm one), and as one
+          whole-model jitted program (lowered and compiled) for comparison;
   TTFT    a --prompt-len prompt (random ids, batch 1): prefill + the first greedy token, after a compiling run;
   decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
   copy    a copy bandwidth (np.copyto of 256 MiB buffers, best of 5; STREAM's convention: bytes read + written
@@ -66,10 +67,12 @@ class Settings:
     serve_requests: int = 8
     serve_max_tokens: int = 8
     serve_max_len: int = 256      # the server's --max-len: KV cache slots per row
+    per_layer_jit: str = "auto"   # from_pretrained's and the server's ('auto', 'on', 'off')
 
 
+# (the tiny models are shallower than per_layer_jit's 'auto' threshold: 'on' runs the real models' path)
 QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32, serve_clients=2,
-                 serve_requests=4, serve_max_tokens=4, serve_max_len=64)
+                 serve_requests=4, serve_max_tokens=4, serve_max_len=64, per_layer_jit="on")
 
 
 # ----------------------------------------------------------------------------------------- child measurements
@@ -116,8 +119,9 @@ def copy_gbps(mib: int) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def _truncated(model: Any, depth: int) -> Any:
-    """The model's first `depth` layers as a CausalLM (same arrays, nothing copied)."""
+def _truncated(model: Any, depth: int, per_layer_jit: bool | None = None) -> Any:
+    """The model's first `depth` layers as a CausalLM (same arrays, nothing copied); per_layer_jit None: the
+    model's."""
     from tutel_jax.models.causal_lm import CausalLM
     from tutel_jax.models.spec import spec_from_config
 
@@ -126,12 +130,13 @@ def _truncated(model: Any, depth: int) -> Any:
         config["layer_types"] = config["layer_types"][:depth]
     params = dict(model.params, layers=model.params["layers"][:depth])
     spec = dataclasses.replace(spec_from_config(config), dense_impl=model.spec.dense_impl)
-    return CausalLM(spec=spec, params=params, moe_configs=model.moe_configs[:depth],
-                    config=config, dtype=model.dtype)
+    return CausalLM(spec=spec, params=params, moe_configs=model.moe_configs[:depth], config=config,
+                    dtype=model.dtype, per_layer_jit=model.per_layer_jit if per_layer_jit is None else per_layer_jit)
 
 
 class Decoder:
-    """Greedy prefill + decode steps over a static KV cache of `max_len` slots (one jit each)."""
+    """Greedy prefill + decode steps over a static KV cache of `max_len` slots: one jit each, or, for a model
+    with per-layer programs, the steps unjitted around them (`layer_programs.run_step`)."""
 
     def __init__(self, model: Any, max_len: int):
         import jax
@@ -142,22 +147,32 @@ class Decoder:
         self.model, self.max_len = model, max_len
         slots = jnp.arange(max_len)
 
-        def prefill(params, ids, cache):
+        def prefill(apply, params, ids, cache):
             B, T = ids.shape
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
             ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.broadcast_to(slots < T, (B, max_len)))
-            logits, cache = model.forward_fn(params, ids, ctx, cache, logits_at=jnp.full((B,), T - 1))
+            logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((B,), T - 1))
             return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
-        def step(params, tok, index, cache):
+        def step(apply, params, tok, index, cache):
             B = tok.shape[0]
             ctx = AttnContext(jnp.full((B, 1), index, jnp.int32), index,
                               jnp.broadcast_to(slots <= index, (B, max_len)))
-            logits, cache = model.forward_fn(params, tok[:, None], ctx, cache)
+            logits, cache = apply(params, tok[:, None], ctx, cache)
             return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
-        self.prefill = jax.jit(prefill, donate_argnums=(2,))
-        self.step = jax.jit(step, donate_argnums=(3,))
+        self._bodies = prefill, step
+        self._jitted = (jax.jit(prefill, static_argnums=(0,), donate_argnums=(3,)),
+                        jax.jit(step, static_argnums=(0,), donate_argnums=(4,)))
+
+    def prefill(self, ids, cache):
+        from tutel_jax.models.layer_programs import run_step
+        return run_step(self._bodies[0], self._jitted[0], self.model.forward_fn, self.model.params, ids, cache)
+
+    def step(self, tok, index, cache):
+        from tutel_jax.models.layer_programs import run_step
+        return run_step(self._bodies[1], self._jitted[1], self.model.forward_fn, self.model.params, tok, index,
+                        cache)
 
     def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
         """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps])."""
@@ -166,15 +181,37 @@ class Decoder:
 
         cache = self.model.init_cache(ids.shape[0], self.max_len)
         start = time.perf_counter()
-        tok, cache = self.prefill(self.model.params, jnp.asarray(ids, jnp.int32), cache)
+        tok, cache = self.prefill(jnp.asarray(ids, jnp.int32), cache)
         tok.block_until_ready()
         ttft, toks, times = time.perf_counter() - start, [np.asarray(tok)], []
         for i in range(steps):
             start = time.perf_counter()
-            tok, cache = self.step(self.model.params, tok, jnp.int32(ids.shape[1] + i), cache)
+            tok, cache = self.step(tok, jnp.int32(ids.shape[1] + i), cache)
             toks.append(np.asarray(jax.block_until_ready(tok)))
             times.append(time.perf_counter() - start)
         return ttft, times, np.stack(toks, 1)
+
+    def step_compile_s(self) -> float:
+        """Seconds to compile the one-token decode step at batch 1: the whole jitted step lowered and compiled,
+        or, with per-layer programs, a cold step (every jit cache cleared) minus a warm one."""
+        import jax
+        import jax.numpy as jnp
+
+        if not self.model.per_layer_jit:
+            cache = jax.eval_shape(lambda: self.model.init_cache(1, self.max_len))
+            start = time.perf_counter()
+            self._jitted[1].lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                  jax.ShapeDtypeStruct((), jnp.int32), cache).compile()
+            return time.perf_counter() - start
+        jax.clear_caches()
+        tok, times = jnp.zeros((1,), jnp.int32), []
+        for _ in range(2):
+            cache = self.model.init_cache(1, self.max_len)
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            jax.block_until_ready(self.step(tok, jnp.int32(0), cache))
+            times.append(time.perf_counter() - start)
+        return times[0] - times[1]
 
 
 def decode_bytes(model: Any, batch: int) -> float:
@@ -216,7 +253,8 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     out["disk_s"] = out["checkpoint_bytes"] / out["disk_gbps"] / 1e9
     rss_before = _status_kib("VmRSS")
     start = time.perf_counter()
-    model = from_pretrained(model_dir, dtype=jnp.bfloat16, progress=False)
+    model = from_pretrained(model_dir, dtype=jnp.bfloat16, progress=False,
+                            per_layer_jit={"on": True, "off": False}.get(settings.per_layer_jit, "auto"))
     out["load_s"] = time.perf_counter() - start
     report = memory_report(model)
     out.update(resident_bytes=report.total_bytes, expert_bytes=report.expert_bytes,
@@ -224,18 +262,16 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     out["rss_bound_bytes"] = 1.15 * report.total_bytes + GiB
     out["rss_within_bound"] = out["peak_rss_load_bytes"] <= out["rss_bound_bytes"]
 
-    compile_s = {}
+    compile_s, compile_whole_s = {}, {}
     for depth in settings.depths:
         if depth > model.spec.num_layers:
             continue
-        part = _truncated(model, depth)
-        dec = Decoder(part, settings.max_len)
-        cache = jax.eval_shape(lambda: part.init_cache(1, settings.max_len))
-        start = time.perf_counter()
-        dec.step.lower(part.params, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-                       cache).compile()
-        compile_s[depth] = time.perf_counter() - start
-    out["compile_s"] = compile_s
+        compile_s[depth] = Decoder(_truncated(model, depth), settings.max_len).step_compile_s()
+        if model.per_layer_jit:  # what one whole-model program would take, for comparison
+            whole = _truncated(model, depth, per_layer_jit=False)
+            compile_whole_s[depth] = Decoder(whole, settings.max_len).step_compile_s()
+    out["per_layer_jit"] = model.per_layer_jit
+    out["compile_s"], out["compile_whole_s"] = compile_s, compile_whole_s
 
     rng = np.random.default_rng(0)
     vocab = model.spec.vocab_size
@@ -275,7 +311,8 @@ def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
         start = time.perf_counter()
         proc, base = start_server(str(model_dir), s.serve_clients, 5.0, log, warm_batches=rows, warm_lens=(16,),
                                   max_tokens=s.serve_max_tokens, healthy_within_s=1800,
-                                  extra_args=("--dtype", "bfloat16", "--max-len", str(s.serve_max_len)))
+                                  extra_args=("--dtype", "bfloat16", "--max-len", str(s.serve_max_len),
+                                              "--per-layer-jit", s.per_layer_jit))
         out: dict[str, Any] = {"startup_s": time.perf_counter() - start, "max_len": s.serve_max_len}
         try:
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600)
@@ -327,13 +364,15 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     rows = []
     for r in results:
         d1, d8 = r["decode"].get("1", {}), r["decode"].get("8", {})
-        compile_s = ", ".join(f"{k}: {v:.1f}" for k, v in r["compile_s"].items())
+        whole = r.get("compile_whole_s") or {}
+        compile_s = ", ".join(f"{k}: {v:.1f}" + (f" ({whole[k]:.1f})" if k in whole else "")
+                              for k, v in r["compile_s"].items())
         rows.append([r["model"], _gb(r["resident_bytes"]), _gb(r["peak_rss_load_bytes"]),
                      f"{r['load_s']:.1f} ({r['disk_s']:.1f})", compile_s, f"{r['ttft_s']:.2f}",
                      f"{d1.get('tokens_per_s', float('nan')):.2f}", f"{d8.get('tokens_per_s', float('nan')):.2f}",
                      f"{d1.get('roofline_ratio', float('nan')):.3f}", _serve_cell(r.get("serve"))])
     table = markdown_table(["model", "resident GB", "peak RSS GB (load)", "load s (disk read s)",
-                            "compile s by layers", f"TTFT s ({results[0]['prompt_len']} tokens)",
+                            "decode compile s by layers (one program)", f"TTFT s ({results[0]['prompt_len']} tokens)",
                             "decode tok/s b=1", "decode tok/s b=8", "roofline ratio b=1",
                             "serve: clients, req/s, p50 / p99 s"], rows)
     dates = ", ".join(f"{r['model']} {r.get('date', info.get('date'))}" for r in results)
@@ -344,6 +383,8 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     checks = "; ".join(f"{r['model']}: peak RSS {_gb(r['peak_rss_load_bytes'])} GB "
                        f"{'<=' if r['rss_within_bound'] else '>'} bound {_gb(r['rss_bound_bytes'])} GB"
                        for r in results)
+    head += (" Compile: the decode step with per-layer programs (`per_layer_jit`, what from_pretrained picks for "
+             "these depths: one program per kind of layer), in parentheses the same step as one whole-model program.")
     return f"{head}\n\n{table}\n\nLoad memory bound (1.15 x resident + 1 GiB): {checks}.\n"
 
 

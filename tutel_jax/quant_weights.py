@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .host_memory import stack_aligned
+
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
            "logical_shape", "resident_bytes"]
 
@@ -71,14 +73,19 @@ def quantize(w: jax.Array, weight_format: str) -> Any:
 
 def to_jax(a: Any, dtype: Any) -> Any:
     """A checkpoint value on the default device: arrays cast to `dtype`, containers with their packed dtypes."""
-    if is_quantized(a):  # device_put: one copy (jnp.asarray without a dtype makes a second, transient one)
+    # device_put: no copy of an aligned host array on CPU (`host_memory`), one copy otherwise (jnp.asarray would
+    # make a second, transient one)
+    if is_quantized(a):
         return jax.tree_util.tree_map(jax.device_put, a)
+    if isinstance(a, np.ndarray) and a.dtype == np.dtype(dtype):
+        return jax.device_put(a)
     return jnp.asarray(a, dtype)
 
 
 def stack(values: list) -> Any:
-    """Stacks per-expert arrays, or per-expert containers field by field, on a new leading axis (NumPy)."""
-    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *values)
+    """Stacks per-expert arrays, or per-expert containers field by field, on a new leading axis (NumPy, aligned:
+    see `host_memory`)."""
+    return jax.tree_util.tree_map(lambda *xs: stack_aligned(xs), *values)
 
 
 def logical_shape(w: Any) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..host_memory import empty_aligned
 from .torch_zip import CheckpointFormatError
 
 __all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint", "NonFiniteTensorError",
@@ -235,11 +236,12 @@ class SafetensorsFile(Mapping):
         src = np.frombuffer(self._mm, dtype=dtype, count=n, offset=begin)
         rule = _nonfinite_rule(name, dtype) if self.check_finite else None
         if rule is None:
-            out = src.reshape(shape).copy()
+            out = empty_aligned(shape, dtype)  # aligned: JAX:CPU adopts it without a copy (host_memory)
+            np.copyto(out.reshape(-1).view(np.uint8), src.view(np.uint8))  # raw bytes: any dtype at memcpy speed
             del src
             self._release(begin, end)
             return out
-        out = np.empty(n, dtype)
+        out = empty_aligned(n, dtype)
         try:
             bad = _scan(rule, out, src.view(f"<u{dtype.itemsize}")) if n else 0
         finally:

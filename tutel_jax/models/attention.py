@@ -47,10 +47,10 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int | None) 
 
 
 def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
-                  spec: DecoderSpec, layer: int, cache: dict | None = None):
-    """x [B, T, M] -> ([B, T, M], new cache). p (see `param_layout`): qkv_proj (fused kernel) [+ qkv_bias], or
-    q/k/v_proj [+ q/k/v_bias] (quantized); o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or
-    [Hq*D] / [Hkv*D] ('projection'); sinks [Hq]."""
+                  spec: DecoderSpec, window: int | None, cache: dict | None = None):
+    """x [B, T, M] -> ([B, T, M], new cache); window: the layer's sliding window (None: full).
+    p (see `param_layout`): qkv_proj (fused kernel) [+ qkv_bias], or q/k/v_proj [+ q/k/v_bias] (quantized);
+    o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or [Hq*D] / [Hkv*D] ('projection'); sinks [Hq]."""
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     if "qkv_proj" in p:
@@ -65,13 +65,14 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
     k, v, cache = _with_cache(k, v, cache, ctx)
-    o = attend(q, k, v, ctx, D ** -0.5, window=spec.windows[layer], sinks=p.get("sinks"))
+    o = attend(q, k, v, ctx, D ** -0.5, window=window, sinks=p.get("sinks"))
     return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias"), spec.dense_impl), cache
 
 
 def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
-                  spec: DecoderSpec, layer: int, cache: dict | None = None):
-    """DeepSeek-V3 MLA, x [B, T, M] -> ([B, T, M], new cache). cos/sin [B, T, rope_dim]."""
+                  spec: DecoderSpec, window: int | None = None, cache: dict | None = None):
+    """DeepSeek-V3 MLA, x [B, T, M] -> ([B, T, M], new cache). cos/sin [B, T, rope_dim]; window: unused (no
+    sliding window in MLA; the signature of `gqa_attention`)."""
     m = spec.mla
     B, T, _ = x.shape
     H = spec.num_heads

@@ -32,7 +32,12 @@ from .quant_layout import check_checkpoint_header
 from .layers import AttnContext, check_dense_impl, rms_norm, rope_cos_sin, swiglu_mlp, unembed
 from .spec import DecoderSpec, spec_from_config
 
-__all__ = ["CausalLM", "forward", "from_pretrained", "context_from_mask"]
+__all__ = ["CausalLM", "forward", "decoder_layer", "embed", "head", "from_pretrained", "context_from_mask",
+           "PER_LAYER_MIN_LAYERS"]
+
+#: from_pretrained(per_layer_jit='auto') compiles per kind of layer from this depth on (a shallow model compiles
+#: fast as one program, and its steps are short enough for per-layer dispatch to show)
+PER_LAYER_MIN_LAYERS = 8
 
 
 def context_from_mask(attention_mask: jax.Array) -> AttnContext:
@@ -42,12 +47,52 @@ def context_from_mask(attention_mask: jax.Array) -> AttnContext:
     return AttnContext(positions, jnp.zeros((), jnp.int32), mask)
 
 
+def embed(params: dict, input_ids: jax.Array, ctx: AttnContext, spec: DecoderSpec):
+    """The decoder's input: (x [B, T, M] the token embeddings, cos / sin [B, T, rope_dim] of ctx.positions)."""
+    x = jnp.take(params["embed"], input_ids, axis=0)
+    cos, sin = rope_cos_sin(ctx.positions, np.asarray(spec.inv_freq, np.float32), spec.attention_factor)
+    return x, cos, sin
+
+
+def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
+                  cache: dict | None = None, *, spec: DecoderSpec, window: int | None, moe_config: Any,
+                  expert_mesh: tuple[Any, str] | None = None,
+                  moe_fn: Callable[[dict, jax.Array], tuple[jax.Array, Any]] | None = None):
+    """One pre-norm block, x [B, T, M] -> (x + attn(norm(x)) + ffn(norm(.)), new cache, h [B, T, M] the FFN
+    input). Everything that varies between layers is an argument: window (the sliding window, None: full) and
+    moe_config (None: a dense SwiGLU MLP), so layers of one kind share one compiled program (`layer_programs`).
+    moe_fn(moe_params, h) -> (y, aux) replaces the MoE block (see `forward`)."""
+    attn = mla_attention if spec.mla is not None else gqa_attention
+    a, cache = attn(lp["attn"], rms_norm(x, lp["input_layernorm"], spec.eps), cos, sin, ctx, spec, window, cache)
+    x = x + a
+    h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
+    if moe_config is None:
+        y = swiglu_mlp(lp["mlp"], h, spec.dense_impl)
+    elif moe_fn is not None:
+        y, _ = moe_fn(lp["moe"], h)
+    elif expert_mesh is None:
+        y, _ = moe_apply(lp["moe"], h, moe_config)  # dropless: the gate default (moe_block)
+    else:
+        y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_config, *expert_mesh)
+    return x + y, cache, h
+
+
+def head(params: dict, x: jax.Array, spec: DecoderSpec, logits_at: jax.Array | None = None) -> jax.Array:
+    """float32 logits of the last hidden states x [B, T, M]: [B, T, V], or [B, 1, V] at logits_at [B]."""
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32).reshape(-1, 1, 1), axis=1)  # [B, 1, M]
+    x = rms_norm(x, params["norm"], spec.eps)
+    # lm_head [V, M] as stored (tied: the embedding)
+    logits = unembed(x, params["lm_head"] if "lm_head" in params else params["embed"], spec.dense_impl)
+    return logits.astype(jnp.float32)
+
+
 def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None, *,
             spec: DecoderSpec, moe_configs: tuple, return_router: bool = False,
             expert_mesh: tuple[Any, str] | None = None,
             moe_fn: Callable[[int, dict, jax.Array], tuple[jax.Array, Any]] | None = None,
             logits_at: jax.Array | None = None):
-    """Logits of the T new tokens.
+    """Logits of the T new tokens (one traced program: embed, every `decoder_layer`, head).
 
     Args:
       params: from `hf_tables.load_params`.
@@ -65,38 +110,20 @@ def forward(params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | 
     Returns:
       (logits float32 [B, T, V] (with logits_at: [B, 1, V]), new cache or None[, router]).
     """
-    x = jnp.take(params["embed"], input_ids, axis=0)
-    cos, sin = rope_cos_sin(ctx.positions, np.asarray(spec.inv_freq, np.float32), spec.attention_factor)
-    attn_fn = mla_attention if spec.mla is not None else gqa_attention
+    x, cos, sin = embed(params, input_ids, ctx, spec)
     new_cache, router = [], None
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["input_layernorm"], spec.eps)
-        a, c = attn_fn(lp["attn"], h, cos, sin, ctx, spec, i, None if cache is None else cache[i])
+        layer_moe = None if moe_fn is None else functools.partial(moe_fn, i)
+        x, c, h = decoder_layer(lp, x, cos, sin, ctx, None if cache is None else cache[i], spec=spec,
+                                window=spec.windows[i], moe_config=moe_configs[i], expert_mesh=expert_mesh,
+                                moe_fn=layer_moe)
         new_cache.append(c)
-        x = x + a
-        h = rms_norm(x, lp["post_attention_layernorm"], spec.eps)
-        if spec.ffn[i] == "moe":
-            if moe_fn is not None:
-                y, _ = moe_fn(i, lp["moe"], h)
-            elif expert_mesh is None:
-                y, _ = moe_apply(lp["moe"], h, moe_configs[i])  # dropless: the gate default (moe_block)
-            else:
-                y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_configs[i], *expert_mesh)
-            if return_router and i == spec.last_moe_layer:
-                plan, _ = route(lp["moe"]["gates"][0], h.reshape(-1, h.shape[-1]).astype(moe_configs[i].dtype),
-                                moe_configs[i])
-                shape = h.shape[:2] + (-1,)
-                router = (plan.expert_ids.T.reshape(shape), plan.gates.T.reshape(shape))
-        else:
-            y = swiglu_mlp(lp["mlp"], h, spec.dense_impl)
-        x = x + y
-    if logits_at is not None:
-        x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32).reshape(-1, 1, 1), axis=1)  # [B, 1, M]
-    x = rms_norm(x, params["norm"], spec.eps)
-    # lm_head [V, M] as stored (tied: the embedding)
-    logits = unembed(x, params["lm_head"] if "lm_head" in params else params["embed"], spec.dense_impl)
-    logits = logits.astype(jnp.float32)
-    out = (logits, None if cache is None else new_cache)
+        if return_router and i == spec.last_moe_layer:
+            plan, _ = route(lp["moe"]["gates"][0], h.reshape(-1, h.shape[-1]).astype(moe_configs[i].dtype),
+                            moe_configs[i])
+            shape = h.shape[:2] + (-1,)
+            router = (plan.expert_ids.T.reshape(shape), plan.gates.T.reshape(shape))
+    out = (head(params, x, spec, logits_at), None if cache is None else new_cache)
     return out + (router,) if return_router else out
 
 
@@ -110,16 +137,23 @@ class CausalLM:
     config: dict
     dtype: Any = jnp.float32
     expert_mesh: tuple[Any, str] | None = None  # (mesh, expert_axis) of a model placed with from_pretrained(mesh=)
+    per_layer_jit: bool = False  # forward_fn compiles one program per kind of layer (`layer_programs`)
 
     def __post_init__(self):
+        from .layer_programs import LayerPrograms  # it builds on this module's forward
         # pure (params, input_ids, ctx, cache=None, return_router=False) -> (logits, cache[, router])
-        self.forward_fn = functools.partial(forward, spec=self.spec, moe_configs=self.moe_configs,
-                                            expert_mesh=self.expert_mesh)
-        self._fwd = jax.jit(self.forward_fn, static_argnames=("return_router",))
+        whole = functools.partial(forward, spec=self.spec, moe_configs=self.moe_configs,
+                                  expert_mesh=self.expert_mesh)
+        self._fwd = jax.jit(whole, static_argnames=("return_router",))
+        # (params, input_ids, ctx, cache=None, logits_at=None) -> (logits, cache): traced inside a caller's jit
+        self.forward_fn = LayerPrograms(self.spec, self.moe_configs, self.expert_mesh) if self.per_layer_jit \
+            else whole
 
     def apply(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
               return_router: bool = False):
-        """Jitted `forward` (see there)."""
+        """`forward` (see there), jitted; with per_layer_jit (and no return_router) one program per kind of layer."""
+        if self.per_layer_jit and not return_router:
+            return self.forward_fn(params, input_ids, ctx, cache)
         return self._fwd(params, input_ids, ctx, cache=cache, return_router=return_router)
 
     def __call__(self, input_ids, attention_mask=None) -> jax.Array:
@@ -148,7 +182,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
                     kernel_backend: str | None = None, dropless_impl: str = "auto", dense_impl: str = "auto",
-                    check_finite: bool = True) -> CausalLM:
+                    per_layer_jit: bool | str = "auto", check_finite: bool = True) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
@@ -167,6 +201,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dense_impl` of the attention projections, dense MLPs and lm_head (`layers.linear`: 'xla', 'native' (the
     C++ CPU kernel `native.dense`) or 'auto': native on CPU for decode-sized batches of bfloat16 or packed
     weights).
+    `per_layer_jit`: compile one program per kind of layer (`layer_programs`: compile time flat with depth,
+    one dispatch per layer) instead of one program for the whole model; 'auto': for models of at least
+    PER_LAYER_MIN_LAYERS layers.
     `check_finite` (default on): every tensor read from the checkpoint is checked for non-finite values as it
     is read (float tensors for NaN/inf, FP8 weights and the quantization scales, MXFP4 E8M0, FP8
     weight_scale_inv, NVFP4 e4m3 and global scales, for their NaN codes; see `checkpoint.safetensors_io`), so a
@@ -194,6 +231,10 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         raise ValueError(f"{config_file}: missing key {e.args[0]!r}") from None
     check_quantization_config(config)
     spec = dataclasses.replace(spec, dense_impl=check_dense_impl(dense_impl))
+    if per_layer_jit not in (True, False, "auto"):
+        raise ValueError(f"per_layer_jit must be True, False or 'auto', got {per_layer_jit!r}")
+    if per_layer_jit == "auto":
+        per_layer_jit = spec.num_layers >= PER_LAYER_MIN_LAYERS
     ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
         if tensors is None:
@@ -210,4 +251,4 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         if tensors is None:
             ckpt.close()
     return CausalLM(spec=spec, params=params, moe_configs=moe_configs, config=config, dtype=dtype,
-                    expert_mesh=None if mesh is None else (mesh, expert_axis))
+                    expert_mesh=None if mesh is None else (mesh, expert_axis), per_layer_jit=per_layer_jit)

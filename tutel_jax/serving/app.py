@@ -196,7 +196,8 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     cfg = cfg or ServerConfig()
     if model is None:
         from ..models import from_pretrained
-        model = from_pretrained(path, dtype=cfg.dtype, dropless_impl=cfg.dropless_impl, dense_impl=cfg.dense_impl)
+        model = from_pretrained(path, dtype=cfg.dtype, dropless_impl=cfg.dropless_impl, dense_impl=cfg.dense_impl,
+                                per_layer_jit=cfg.per_layer_jit)
     srv = Server(model, path, cfg)
 
     @asynccontextmanager

@@ -47,13 +47,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.layer_programs import run_step
 from ..models.layers import AttnContext
 from .generate import finite_rows, sample_rows
 from .sampling import NonFiniteLogitsError, check_sampling, model_context
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
 
-# how many times each jitted body was traced (= compiled): "decode", "prefill"
+# how many times each jitted body was traced (= compiled): "decode", "prefill" (a model with per-layer programs
+# runs the bodies unjitted: every run counts)
 TRACES: collections.Counter = collections.Counter()
 
 
@@ -102,8 +104,7 @@ def _sample(logits: jax.Array, sampling: tuple) -> jax.Array:
     return sample_rows(logits, _row_keys(seeds, sample_ids, steps), temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnames=("apply",), donate_argnames=("cache",))
-def _prefill(apply, params, ids, lengths, rows, cache, sampling):
+def _prefill_body(apply, params, ids, lengths, rows, cache, sampling):
     """Prefills ids [G, Tb] (each row's prompt right-padded; lengths [G]) on a fresh [G, Tb] cache, writes its
     slots 0 .. Tb-1 into the big cache's rows `rows` [G] (an out-of-range row: dropped, for padding groups) and
     samples each row's first token: (tokens [G], finite [G], cache)."""
@@ -119,8 +120,7 @@ def _prefill(apply, params, ids, lengths, rows, cache, sampling):
     return _sample(last, sampling), finite_rows(last), cache
 
 
-@functools.partial(jax.jit, static_argnames=("apply",), donate_argnames=("cache",))
-def _decode(apply, params, tok, index, cache, sampling):
+def _decode_body(apply, params, tok, index, cache, sampling):
     """One decode step over the cache's first R rows (R = len(tok) <= B): feeds tok [R] at each row's own slot
     index [R] (= its RoPE position) and samples the next tokens: (tokens [R], finite [R], cache [B, ...])."""
     TRACES["decode"] += 1
@@ -133,6 +133,10 @@ def _decode(apply, params, tok, index, cache, sampling):
         cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, 0, axis=0), cache, sub)
     last = logits[:, -1]
     return _sample(last, sampling), finite_rows(last), cache
+
+
+_prefill = jax.jit(_prefill_body, static_argnames=("apply",), donate_argnames=("cache",))
+_decode = jax.jit(_decode_body, static_argnames=("apply",), donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -280,8 +284,8 @@ class ContinuousBatcher:
         padded = list(reqs) + [None] * (G - len(reqs))
         # NumPy arguments go to the jitted function as they are (cheaper than one device_put each); the host
         # state they may alias is only changed after the step's tokens have been read back
-        toks, ok, self.cache = _prefill(self.model.forward_fn, self.model.params, ids, lengths, rows, self.cache,
-                                        _sampling_of(padded))
+        toks, ok, self.cache = run_step(_prefill_body, _prefill, self.model.forward_fn, self.model.params, ids,
+                                        lengths, rows, self.cache, _sampling_of(padded))
         self.prefills += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for g, req in enumerate(reqs) if self._deliver(req, int(toks[g]), bool(ok[g]))]
@@ -298,8 +302,8 @@ class ContinuousBatcher:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
         sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R])
-        toks, ok, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
-                                       self.cache, sampling)
+        toks, ok, self.cache = run_step(_decode_body, _decode, self.model.forward_fn, self.model.params,
+                                        s.tok[:R], s.index[:R], self.cache, sampling)
         self.decode_steps += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for req in list(self.slots)

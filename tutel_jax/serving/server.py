@@ -100,6 +100,9 @@ def _parser():
     p.add_argument("--dense-impl", default="auto", choices=DENSE_IMPLS,
                    help="the attention projections' and lm_head's matmul ('native': the C++ CPU kernel; 'auto': "
                         "native on CPU for decode batches of bfloat16 or packed weights)")
+    p.add_argument("--per-layer-jit", default="auto", choices=["auto", "on", "off"],
+                   help="compile one program per kind of layer (compile time flat with depth; 'auto': for "
+                        "models of 8 layers or more) instead of one whole-model program")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's float weights and activations (packed expert weights stay packed)")
     p.add_argument("--log-level", default="info", type=str.lower,
@@ -126,6 +129,7 @@ def main(argv=None) -> int:
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
                        warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl,
                        dense_impl=a.dense_impl, dtype=a.dtype,
+                       per_layer_jit={"on": True, "off": False}.get(a.per_layer_jit, "auto"),
                        max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout)
     try:
         app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
