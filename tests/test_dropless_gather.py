@@ -36,7 +36,7 @@ def test_gather_equals_ragged(experts, gate):
     ys = {}
     for impl in ("ragged", "gather"):
         config, params = _layer(experts, gate, impl)
-        ys[impl] = np.asarray(moe_apply(params, x, config, capacity_factor=0.0)[0])
+        ys[impl] = np.asarray(jax.jit(lambda p, x: moe_apply(p, x, config, capacity_factor=0.0)[0])(params, x))
     np.testing.assert_allclose(ys["gather"], ys["ragged"], rtol=1e-5, atol=1e-5)
 
 
@@ -47,7 +47,7 @@ def test_gather_gradients_equal_ragged(experts):
     for impl in ("ragged", "gather"):
         config, params = _layer(experts, GATES[0], impl)
         loss = lambda p, x: jnp.sum(moe_apply(p, x, config, capacity_factor=0.0)[0] ** 2)
-        grads[impl] = jax.grad(loss, argnums=(0, 1))(params, x)
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
     for a, b in zip(jax.tree_util.tree_leaves(grads["gather"]), jax.tree_util.tree_leaves(grads["ragged"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -91,8 +91,8 @@ def test_loop_equals_ragged(experts, gate):
     for impl in ("ragged", "loop"):
         config, params = _layer(experts, gate, impl)
         loss = lambda p, x: jnp.sum(jnp.sin(moe_apply(p, x, config, capacity_factor=0.0)[0]))
-        y = moe_apply(params, x, config, capacity_factor=0.0)[0]
-        g = jax.grad(loss, argnums=1)(params, x) if packed else jax.grad(loss, argnums=(0, 1))(params, x)
+        y = jax.jit(lambda p, x: moe_apply(p, x, config, capacity_factor=0.0)[0])(params, x)
+        g = jax.jit(jax.grad(loss, argnums=1 if packed else (0, 1)))(params, x)
         results[impl] = (np.asarray(y), g)
     np.testing.assert_allclose(results["loop"][0], results["ragged"][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(results["loop"][1]), jax.tree_util.tree_leaves(results["ragged"][1])):

@@ -35,7 +35,7 @@ def _deep_gpt_oss(tmp_path: Path, layers: int):
     return tmp_path, random_hf_tensors(config, seed=layers)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_moe_nvfp4"])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])  # sliding / full kinds; MLA with a dense layer
 def test_logits_and_cache_equal_the_whole_program(family):
     whole, per_layer = _pair(family)
     assert not whole.per_layer_jit and per_layer.per_layer_jit
