@@ -136,12 +136,12 @@ def _truncated(model: Any, depth: int, per_layer_jit: bool | None = None) -> Any
 
 class Decoder:
     """Greedy prefill + decode steps over a static KV cache of `max_len` slots: one jit each, or, for a model
-    with per-layer programs, the steps unjitted around them (`layer_programs.run_step`)."""
+    with per-layer programs, the steps unjitted around them (`layer_programs.ModelStep`)."""
 
     def __init__(self, model: Any, max_len: int):
-        import jax
         import jax.numpy as jnp
 
+        from tutel_jax.models.layer_programs import ModelStep
         from tutel_jax.models.layers import AttnContext
 
         self.model, self.max_len = model, max_len
@@ -161,18 +161,13 @@ class Decoder:
             logits, cache = apply(params, tok[:, None], ctx, cache)
             return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
-        self._bodies = prefill, step
-        self._jitted = (jax.jit(prefill, static_argnums=(0,), donate_argnums=(3,)),
-                        jax.jit(step, static_argnums=(0,), donate_argnums=(4,)))
+        self._prefill, self._step = ModelStep(prefill), ModelStep(step)
 
     def prefill(self, ids, cache):
-        from tutel_jax.models.layer_programs import run_step
-        return run_step(self._bodies[0], self._jitted[0], self.model.forward_fn, self.model.params, ids, cache)
+        return self._prefill(self.model.forward_fn, self.model.params, ids, cache)
 
     def step(self, tok, index, cache):
-        from tutel_jax.models.layer_programs import run_step
-        return run_step(self._bodies[1], self._jitted[1], self.model.forward_fn, self.model.params, tok, index,
-                        cache)
+        return self._step(self.model.forward_fn, self.model.params, tok, index, cache)
 
     def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
         """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps])."""
@@ -200,7 +195,7 @@ class Decoder:
         if not self.model.per_layer_jit:
             cache = jax.eval_shape(lambda: self.model.init_cache(1, self.max_len))
             start = time.perf_counter()
-            self._jitted[1].lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
+            self._step.jitted.lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
                                   jax.ShapeDtypeStruct((), jnp.int32), cache).compile()
             return time.perf_counter() - start
         jax.clear_caches()
@@ -245,6 +240,7 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from tutel_jax.models import from_pretrained
+    from tutel_jax.models.causal_lm import PER_LAYER_JIT_CHOICES
     from tutel_jax.models.memory import memory_report
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -254,7 +250,7 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     rss_before = _status_kib("VmRSS")
     start = time.perf_counter()
     model = from_pretrained(model_dir, dtype=jnp.bfloat16, progress=False,
-                            per_layer_jit={"on": True, "off": False}.get(settings.per_layer_jit, "auto"))
+                            per_layer_jit=PER_LAYER_JIT_CHOICES[settings.per_layer_jit])
     out["load_s"] = time.perf_counter() - start
     report = memory_report(model)
     out.update(resident_bytes=report.total_bytes, expert_bytes=report.expert_bytes,

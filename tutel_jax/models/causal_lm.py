@@ -33,11 +33,13 @@ from .layers import AttnContext, check_dense_impl, rms_norm, rope_cos_sin, swigl
 from .spec import DecoderSpec, spec_from_config
 
 __all__ = ["CausalLM", "forward", "decoder_layer", "embed", "head", "from_pretrained", "context_from_mask",
-           "PER_LAYER_MIN_LAYERS"]
+           "PER_LAYER_MIN_LAYERS", "PER_LAYER_JIT_CHOICES"]
 
 #: from_pretrained(per_layer_jit='auto') compiles per kind of layer from this depth on (a shallow model compiles
 #: fast as one program, and its steps are short enough for per-layer dispatch to show)
 PER_LAYER_MIN_LAYERS = 8
+#: the command-line spellings of from_pretrained's per_layer_jit (`tutel-jax serve --per-layer-jit`)
+PER_LAYER_JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
 
 
 def context_from_mask(attention_mask: jax.Array) -> AttnContext:

@@ -15,8 +15,8 @@ every step, where a decode step only needs the few experts it routes to (measure
 kernels).
 
 Called inside a trace (an outer `jit`, e.g. `generate(on_device=True)` or a training step), it traces `forward`
-instead: one program, as without it. `run_step(body, jitted)` lets a serving step (sampling around the model)
-stay outside jit when its model dispatches per layer.
+instead: one program, as without it. `ModelStep` wraps a serving step (sampling around the model): jitted for a
+whole-program model, unjitted around the per-layer programs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .causal_lm import decoder_layer, embed, forward, head
 from .layers import AttnContext
 from .spec import DecoderSpec
 
-__all__ = ["LayerPrograms", "dispatches_per_layer", "run_step"]
+__all__ = ["LayerPrograms", "ModelStep"]
 
 
 def _layer(lp, x, cos, sin, ctx, cache, *, spec, window, moe_config, expert_mesh):
@@ -65,15 +65,15 @@ class LayerPrograms:
     def __call__(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
                  logits_at: jax.Array | None = None):
         """(logits float32 [B, T, V] or [B, 1, V] at logits_at, new cache or None); see `forward`."""
-        if _tracing((params, input_ids, ctx, cache, logits_at)):
+        # traced params show in their embedding: the other layers' leaves need not be walked at every step
+        if _tracing((params["embed"], input_ids, ctx, cache, logits_at)):
             return forward(params, input_ids, ctx, cache, spec=self.spec, moe_configs=self.moe_configs,
                            expert_mesh=self.expert_mesh, logits_at=logits_at)
         x, cos, sin = _embed_program({"embed": params["embed"]}, input_ids, ctx, spec=self.spec)
         new_cache, program = [], _layer_program_donating if self.donate_cache else _layer_program
         for i, lp in enumerate(params["layers"]):
             x, c = program(lp, x, cos, sin, ctx, None if cache is None else cache[i], spec=self.spec,
-                                  window=self.spec.windows[i], moe_config=self.moe_configs[i],
-                                  expert_mesh=self.expert_mesh)
+                           window=self.spec.windows[i], moe_config=self.moe_configs[i], expert_mesh=self.expert_mesh)
             new_cache.append(c)
         top = {k: params[k] for k in ("norm", "lm_head") if k in params}
         if "lm_head" not in top:  # tied
@@ -85,16 +85,17 @@ class LayerPrograms:
         return len({(w, c) for w, c in zip(self.spec.windows, self.moe_configs)})
 
 
-def dispatches_per_layer(apply: Any) -> bool:
-    """True when a model's forward_fn runs one program per layer (a step around it should not be jitted)."""
-    return isinstance(apply, LayerPrograms)
+class ModelStep:
+    """A model step `body(apply, ..., cache, ...)` (the model's forward_fn first, its KV cache an argument named
+    `cache`), called as `step(apply, *args)`: jitted with the cache donated (one program with the model), or,
+    when `apply` is `LayerPrograms`, `body` itself with each layer's cache donated, so the model keeps its
+    per-layer programs (the few array operations around it run as they are)."""
 
+    def __init__(self, body: Callable, static_argnames: tuple[str, ...] = ("apply",)):
+        self.body = body
+        self.jitted = jax.jit(body, static_argnames=static_argnames, donate_argnames=("cache",))
 
-def run_step(body: Callable, jitted: Callable, apply: Any, *args, **kwargs):
-    """A serving step `body(apply, *args, **kwargs)` whose jitted version `jitted` donates the cache: that
-    version (one program with the model), or, when `apply` dispatches per layer, `body` itself with the layers'
-    caches donated, so the model keeps its per-layer programs (the few array operations around it run as they
-    are)."""
-    if dispatches_per_layer(apply):
-        return body(dataclasses.replace(apply, donate_cache=True), *args, **kwargs)
-    return jitted(apply, *args, **kwargs)
+    def __call__(self, apply: Any, *args, **kwargs):
+        if isinstance(apply, LayerPrograms):
+            return self.body(dataclasses.replace(apply, donate_cache=True), *args, **kwargs)
+        return self.jitted(apply, *args, **kwargs)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.layer_programs import run_step
+from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
 from .generate import finite_rows, sample_rows
 from .sampling import NonFiniteLogitsError, check_sampling, model_context
@@ -135,8 +135,8 @@ def _decode_body(apply, params, tok, index, cache, sampling):
     return _sample(last, sampling), finite_rows(last), cache
 
 
-_prefill = jax.jit(_prefill_body, static_argnames=("apply",), donate_argnames=("cache",))
-_decode = jax.jit(_decode_body, static_argnames=("apply",), donate_argnames=("cache",))
+_prefill = ModelStep(_prefill_body)
+_decode = ModelStep(_decode_body)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -284,8 +284,8 @@ class ContinuousBatcher:
         padded = list(reqs) + [None] * (G - len(reqs))
         # NumPy arguments go to the jitted function as they are (cheaper than one device_put each); the host
         # state they may alias is only changed after the step's tokens have been read back
-        toks, ok, self.cache = run_step(_prefill_body, _prefill, self.model.forward_fn, self.model.params, ids,
-                                        lengths, rows, self.cache, _sampling_of(padded))
+        toks, ok, self.cache = _prefill(self.model.forward_fn, self.model.params, ids, lengths, rows, self.cache,
+                                        _sampling_of(padded))
         self.prefills += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for g, req in enumerate(reqs) if self._deliver(req, int(toks[g]), bool(ok[g]))]
@@ -302,8 +302,8 @@ class ContinuousBatcher:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
         sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R])
-        toks, ok, self.cache = run_step(_decode_body, _decode, self.model.forward_fn, self.model.params,
-                                        s.tok[:R], s.index[:R], self.cache, sampling)
+        toks, ok, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
+                                       self.cache, sampling)
         self.decode_steps += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for req in list(self.slots)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.layer_programs import run_step
+from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
 from .sampling import NonFiniteLogitsError, check_sampling, model_context
 
@@ -146,8 +146,8 @@ def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling
     return sample_next(last, key, *sampling), finite_rows(last), last, cache
 
 
-_prefill = jax.jit(_prefill_body, static_argnames=("apply", "sampling"), donate_argnames=("cache",))
-_decode = jax.jit(_decode_body, static_argnames=("apply", "sampling"), donate_argnames=("cache",))
+_prefill = ModelStep(_prefill_body, static_argnames=("apply", "sampling"))
+_decode = ModelStep(_decode_body, static_argnames=("apply", "sampling"))
 
 
 @functools.partial(jax.jit, static_argnames=("apply", "sampling"))
@@ -279,11 +279,10 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
         _check_finite(np.asarray(ok) | ~used)  # the steps after a row finished only pad the result
     else:
         def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
-            return run_step(_decode_body, _decode, apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32),
-                            pad, key_valid, cache, keys[i], sampling)
+            return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad, key_valid, cache,
+                           keys[i], sampling)
 
-        first = run_step(_prefill_body, _prefill, apply, model.params, ids_j, positions, key_valid, cache, keys[0],
-                         sampling)
+        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling)
         if stream_callback is None and len(stops) == 0 and max_new_tokens_per_row is None:
             raw, logits = _run_all(step, first, max_new_tokens, return_logits)
         else:

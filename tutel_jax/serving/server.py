@@ -55,6 +55,7 @@ def _parser():
     from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
     from ..dropless import IMPLS
     from ..models.layers import DENSE_IMPLS
+    from ..models.causal_lm import PER_LAYER_JIT_CHOICES
     p = CommandParser(prog="tutel-jax serve", description="OpenAI-compatible server for a tutel-jax checkpoint "
                       "(GET /health, /v1/models; POST /v1/completions, /v1/chat/completions)")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -100,7 +101,7 @@ def _parser():
     p.add_argument("--dense-impl", default="auto", choices=DENSE_IMPLS,
                    help="the attention projections' and lm_head's matmul ('native': the C++ CPU kernel; 'auto': "
                         "native on CPU for decode batches of bfloat16 or packed weights)")
-    p.add_argument("--per-layer-jit", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--per-layer-jit", default="auto", choices=list(PER_LAYER_JIT_CHOICES),
                    help="compile one program per kind of layer (compile time flat with depth; 'auto': for "
                         "models of 8 layers or more) instead of one whole-model program")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
         import uvicorn
     except ImportError as e:
         return p.fail(f"the server needs the `serve` extra (pip install tutel-jax[serve]): {e}")
+    from ..models.causal_lm import PER_LAYER_JIT_CHOICES
     from ..native import NativeKernelError
     logging.basicConfig(level=a.log_level.upper())
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
                        warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl,
                        dense_impl=a.dense_impl, dtype=a.dtype,
-                       per_layer_jit={"on": True, "off": False}.get(a.per_layer_jit, "auto"),
+                       per_layer_jit=PER_LAYER_JIT_CHOICES[a.per_layer_jit],
                        max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout)
     try:
         app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
