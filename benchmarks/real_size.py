@@ -380,7 +380,8 @@ def markdown(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
                        f"{'<=' if r['rss_within_bound'] else '>'} bound {_gb(r['rss_bound_bytes'])} GB"
                        for r in results)
     head += (" Compile: the decode step with per-layer programs (`per_layer_jit`, what from_pretrained picks for "
-             "these depths: one program per kind of layer), in parentheses the same step as one whole-model program.")
+             "these depths: one program per kind of block of layers), in parentheses the same step as one "
+             "whole-model program.")
     return f"{head}\n\n{table}\n\nLoad memory bound (1.15 x resident + 1 GiB): {checks}.\n"
 
 

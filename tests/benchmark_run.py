@@ -11,14 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from xla_flags import with_fast_compile
+
 ROOT = Path(__file__).resolve().parents[1]
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
-
-def with_fast_compile(xla_flags: str) -> str:
-    """`xla_flags` plus FAST_COMPILE."""
-    return f"{xla_flags} {FAST_COMPILE}".strip()
-
 
 def run_quick(name: str, out: Path, *args: str, timeout_s: float = 300, **env: str) -> dict[str, Any]:
     """`python benchmarks/<name>.py --quick --out <out> <args>`; asserts exit 0 and returns the JSON result."""

@@ -6,10 +6,13 @@ import json
 import os
 from pathlib import Path
 
+from xla_flags import with_fast_compile
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 fake CPU devices for mesh tests; must be set before JAX initialises its backend
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
 
 import numpy as np
 import pytest

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmark_run import with_fast_compile
+from xla_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from xla_flags import with_fast_compile
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "helloworld.py"
 TIMEOUT_S = 240
@@ -22,7 +24,7 @@ def run_example(*args: str, expect_ok: bool = True) -> subprocess.CompletedProce
     """Runs the example on 2 CPU devices; asserts a zero exit status when `expect_ok`."""
     env = dict(os.environ)
     # without LLVM optimisation (about a third less compile time, most of a tiny run's; every run alike)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = with_fast_compile("--xla_force_host_platform_device_count=2")
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

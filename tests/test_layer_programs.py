@@ -78,13 +78,27 @@ def test_compiles_once_per_kind_of_layer_whatever_the_depth(tmp_path):
         (tmp_path / str(layers)).mkdir()
         path, tensors = _deep_gpt_oss(tmp_path / str(layers), layers)
         model = from_pretrained(path, tensors=tensors, per_layer_jit=True)
-        assert model.forward_fn.kinds() == 2  # sliding, full
-        before = layer_programs._layer_program._cache_size()
+        assert model.forward_fn.kinds() == 1  # blocks of a sliding and a full layer
+        before = model.forward_fn.compiled_layer_programs()
         ids = jnp.zeros((1, 3 + layers), jnp.int32)  # a shape of its own: nothing compiled before
         model(ids)
         model(ids + 1)
-        counts[layers] = layer_programs._layer_program._cache_size() - before
-    assert counts == {4: 2, 8: 2}
+        counts[layers] = model.forward_fn.compiled_layer_programs() - before
+    assert counts == {4: 1, 8: 1}
+
+
+@pytest.mark.parametrize("layers_per_program, kinds", [(1, 2), (3, 3)])  # a layer each; blocks of 3 (+ 2)
+def test_other_block_sizes_give_the_same_logits(tmp_path, layers_per_program, kinds):
+    path, tensors = _deep_gpt_oss(tmp_path, 8)
+    whole = from_pretrained(path, tensors=tensors, per_layer_jit=False)
+    blocks = layer_programs.LayerPrograms(whole.spec, whole.moe_configs, layers_per_program=layers_per_program)
+    assert blocks.kinds() == kinds  # (sliding, full) or (s, f, s), (f, s, f) and the last (s, f)
+    ids = jnp.asarray(np.arange(10).reshape(2, 5), jnp.int32)
+    ctx = context_from_mask(jnp.ones((2, 5)))
+    np.testing.assert_allclose(blocks(whole.params, ids, ctx)[0], whole.apply(whole.params, ids, ctx)[0],
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layers_per_program"):
+        layer_programs.LayerPrograms(whole.spec, whole.moe_configs, layers_per_program=0)
 
 
 def test_auto_picks_per_layer_programs_for_deep_models(tmp_path):

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.parallel.local_launch import ProcessResult, child_env, free_port, run_processes
+from xla_flags import with_fast_compile
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_distributed.py"
@@ -50,7 +51,7 @@ def launch(commands: list[list[str]], deadline_s: float = DEADLINE_S) -> tuple[l
     # CPU only; (XLA_FLAGS may stay: --local_devices replaces its device count). Compiling is most of a tiny
     # run's time: without LLVM optimisation it is about a third less (every run of a comparison alike).
     env = child_env(JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    env["XLA_FLAGS"] = with_fast_compile(env.get("XLA_FLAGS", ""))
     start = time.monotonic()
     results = run_processes([[sys.executable, str(SCRIPT), *cmd] for cmd in commands], timeout=deadline_s,
                             env=env, cwd=REPO)

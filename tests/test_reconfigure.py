@@ -157,7 +157,7 @@ def test_switch_then_checkpoint_then_restore_in_a_new_process_continues_identica
     assert {s.data.shape for s in other.state.opt_state[0].nu["moe"]["experts"]["batched_fc2_w"].addressable_shards} \
         == {(2, H, M)}
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # this process's XLA flags (conftest): the same program
     code = RESUME.format(tests=str(Path(__file__).parent), ckpt=str(tmp_path / "ckpt"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,8 +35,8 @@ from .spec import DecoderSpec, spec_from_config
 __all__ = ["CausalLM", "forward", "decoder_layer", "embed", "head", "from_pretrained", "context_from_mask",
            "PER_LAYER_MIN_LAYERS", "PER_LAYER_JIT_CHOICES"]
 
-#: from_pretrained(per_layer_jit='auto') compiles per kind of layer from this depth on (a shallow model compiles
-#: fast as one program, and its steps are short enough for per-layer dispatch to show)
+#: from_pretrained(per_layer_jit='auto') compiles per kind of block of layers from this depth on (a shallow model
+#: compiles fast as one program, and its steps are short enough for per-block dispatch to show)
 PER_LAYER_MIN_LAYERS = 8
 #: the command-line spellings of from_pretrained's per_layer_jit (`tutel-jax serve --per-layer-jit`)
 PER_LAYER_JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
@@ -139,7 +139,7 @@ class CausalLM:
     config: dict
     dtype: Any = jnp.float32
     expert_mesh: tuple[Any, str] | None = None  # (mesh, expert_axis) of a model placed with from_pretrained(mesh=)
-    per_layer_jit: bool = False  # forward_fn compiles one program per kind of layer (`layer_programs`)
+    per_layer_jit: bool = False  # forward_fn compiles one program per kind of block of layers (`layer_programs`)
 
     def __post_init__(self):
         from .layer_programs import LayerPrograms  # it builds on this module's forward
@@ -153,7 +153,7 @@ class CausalLM:
 
     def apply(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
               return_router: bool = False):
-        """`forward` (see there), jitted; with per_layer_jit (and no return_router) one program per kind of layer."""
+        """`forward` (see there), jitted; with per_layer_jit (and no return_router) one program per kind of block."""
         if self.per_layer_jit and not return_router:
             return self.forward_fn(params, input_ids, ctx, cache)
         return self._fwd(params, input_ids, ctx, cache=cache, return_router=return_router)
@@ -203,7 +203,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dense_impl` of the attention projections, dense MLPs and lm_head (`layers.linear`: 'xla', 'native' (the
     C++ CPU kernel `native.dense`) or 'auto': native on CPU for decode-sized batches of bfloat16 or packed
     weights).
-    `per_layer_jit`: compile one program per kind of layer (`layer_programs`: compile time flat with depth,
+    `per_layer_jit`: compile one program per kind of block of layers (`layer_programs`: compile time flat with depth,
     one dispatch per layer) instead of one program for the whole model; 'auto': for models of at least
     PER_LAYER_MIN_LAYERS layers.
     `check_finite` (default on): every tensor read from the checkpoint is checked for non-finite values as it

@@ -1,13 +1,14 @@
-"""A CausalLM forward whose compile time does not grow with depth: one compiled program per kind of layer.
+"""A CausalLM forward whose compile time does not grow with depth: one compiled program per kind of block.
 
     fwd = LayerPrograms(spec, moe_configs)          # what `CausalLM.forward_fn` is with per_layer_jit
-    logits, cache = fwd(params, ids, ctx, cache)    # embed, one dispatch per layer, head
+    logits, cache = fwd(params, ids, ctx, cache)    # embed, one dispatch per block of layers, head
 
 XLA compiles a whole-model forward as one program, whose size (and compile time) grows with the number of
-layers. Here the layers of one *kind* share one program: what differs between layers is only their weights,
-their sliding window and their MoE config (None: a dense MLP), so GPT-OSS compiles two layer programs
-(sliding, full), Qwen3-MoE one, whatever the depth. Each layer's KV cache is donated to its program (updated in
-place); each layer reads its own weight buffers as they are.
+layers. Here the layers run in blocks of consecutive layers (by default the repeating pattern of the layers'
+kinds: GPT-OSS a sliding and a full layer, Qwen3-MoE one layer), and blocks of one kind share one program:
+what differs between layers is only their weights, their sliding window and their MoE config (None: a dense
+MLP), so GPT-OSS compiles one block program, Qwen3-MoE one, whatever the depth. Each block's KV caches are
+donated to its program (updated in place); each layer reads its own weight buffers as they are.
 
 Why not `lax.scan` over stacked layers: a scan body reads its layer as a dynamic slice of the stacked weights,
 and XLA:CPU materializes that slice (for custom calls and dots alike) -- a copy of every layer's weights at
@@ -22,6 +23,7 @@ whole-program model, unjitted around the per-layer programs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,16 +36,46 @@ from .spec import DecoderSpec
 __all__ = ["LayerPrograms", "ModelStep"]
 
 
-def _layer(lp, x, cos, sin, ctx, cache, *, spec, window, moe_config, expert_mesh):
-    return decoder_layer(lp, x, cos, sin, ctx, cache, spec=spec, window=window, moe_config=moe_config,
-                         expert_mesh=expert_mesh)[:2]
+def _block(lps, x, cos, sin, ctx, caches, *, spec, kinds, expert_mesh):
+    """Consecutive layers (kinds: their (window, moe_config)s) -> (x, their new caches)."""
+    new = []
+    for lp, cache, (window, moe_config) in zip(lps, caches, kinds):
+        x, cache, _ = decoder_layer(lp, x, cos, sin, ctx, cache, spec=spec, window=window, moe_config=moe_config,
+                                    expert_mesh=expert_mesh)
+        new.append(cache)
+    return x, new
 
 
-_embed_program = jax.jit(embed, static_argnames=("spec",))
-_LAYER_STATIC = ("spec", "window", "moe_config", "expert_mesh")
-_layer_program = jax.jit(_layer, static_argnames=_LAYER_STATIC)
-_layer_program_donating = jax.jit(_layer, static_argnames=_LAYER_STATIC, donate_argnames=("cache",))
-_head_program = jax.jit(head, static_argnames=("spec",))
+# The programs are jitted with their static arguments bound (`partial`), not passed at each call: a decode step
+# dispatches one program per block, and hashing a DecoderSpec and MoE configs at every dispatch would cost as
+# much as the dispatch itself.
+@functools.lru_cache(maxsize=256)
+def _block_program(spec: DecoderSpec, kinds: tuple, expert_mesh: Any, donate: bool):
+    return jax.jit(functools.partial(_block, spec=spec, kinds=kinds, expert_mesh=expert_mesh),
+                   donate_argnames=("caches",) if donate else ())
+
+
+@functools.lru_cache(maxsize=64)
+def _end_programs(spec: DecoderSpec):
+    return jax.jit(functools.partial(embed, spec=spec)), jax.jit(functools.partial(head, spec=spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(layer_programs: "LayerPrograms") -> tuple:
+    """(embed program, ((first layer, last layer + 1, block program) for each block), head program)."""
+    lp = layer_programs
+    kinds = tuple(zip(lp.spec.windows, lp.moe_configs))
+    size = lp.block_size()
+    blocks = tuple((i, min(i + size, len(kinds)), _block_program(lp.spec, kinds[i:i + size], lp.expert_mesh,
+                                                                 lp.donate_cache))
+                   for i in range(0, len(kinds), size))
+    embed_program, head_program = _end_programs(lp.spec)
+    return embed_program, blocks, head_program
+
+
+def _period(kinds: tuple) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for every i (a repeating pattern; else len(kinds))."""
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
 
 def _tracing(tree: Any) -> bool:
@@ -53,7 +85,8 @@ def _tracing(tree: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class LayerPrograms:
     """`forward` (same arguments and results, without return_router / moe_fn) run as embed, one compiled
-    program per kind of layer, head. Hashable: usable as a static argument like `functools.partial(forward)`.
+    program per kind of block of layers (`block_size`), head. Hashable: usable as a static argument like
+    `functools.partial(forward)`.
     donate_cache: each layer's cache is donated to its program (updated in place; the caller's cache is then
     invalid, as with a jitted step that donates it)."""
 
@@ -61,6 +94,11 @@ class LayerPrograms:
     moe_configs: tuple
     expert_mesh: tuple[Any, str] | None = None
     donate_cache: bool = False
+    layers_per_program: int | None = None  # None: see block_size
+
+    def __post_init__(self):
+        if self.layers_per_program is not None and self.layers_per_program < 1:
+            raise ValueError(f"layers_per_program must be >= 1 or None, got {self.layers_per_program!r}")
 
     def __call__(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
                  logits_at: jax.Array | None = None):
@@ -69,20 +107,33 @@ class LayerPrograms:
         if _tracing((params["embed"], input_ids, ctx, cache, logits_at)):
             return forward(params, input_ids, ctx, cache, spec=self.spec, moe_configs=self.moe_configs,
                            expert_mesh=self.expert_mesh, logits_at=logits_at)
-        x, cos, sin = _embed_program({"embed": params["embed"]}, input_ids, ctx, spec=self.spec)
-        new_cache, program = [], _layer_program_donating if self.donate_cache else _layer_program
-        for i, lp in enumerate(params["layers"]):
-            x, c = program(lp, x, cos, sin, ctx, None if cache is None else cache[i], spec=self.spec,
-                           window=self.spec.windows[i], moe_config=self.moe_configs[i], expert_mesh=self.expert_mesh)
-            new_cache.append(c)
+        embed_program, blocks, head_program = _programs(self)
+        x, cos, sin = embed_program({"embed": params["embed"]}, input_ids, ctx)
+        new_cache, layers = [], params["layers"]
+        for start, stop, program in blocks:
+            x, c = program(layers[start:stop], x, cos, sin, ctx,
+                           [None] * (stop - start) if cache is None else cache[start:stop])
+            new_cache += c
         top = {k: params[k] for k in ("norm", "lm_head") if k in params}
         if "lm_head" not in top:  # tied
             top["embed"] = params["embed"]
-        return _head_program(top, x, spec=self.spec, logits_at=logits_at), None if cache is None else new_cache
+        return head_program(top, x, logits_at=logits_at), None if cache is None else new_cache
+
+    def block_size(self) -> int:
+        """Layers per program: `layers_per_program`, or the period of the layers' kinds (GPT-OSS: 2, a sliding
+        and a full layer; Qwen3-MoE: 1) when that is short (<= 4), else 1."""
+        if self.layers_per_program is not None:
+            return self.layers_per_program
+        period = _period(tuple(zip(self.spec.windows, self.moe_configs)))
+        return period if period <= 4 else 1
 
     def kinds(self) -> int:
-        """How many layer programs a forward compiles (distinct (window, moe_config) pairs)."""
-        return len({(w, c) for w, c in zip(self.spec.windows, self.moe_configs)})
+        """How many block programs a forward compiles (distinct blocks of layer kinds)."""
+        return len({program for _, _, program in _programs(self)[1]})
+
+    def compiled_layer_programs(self) -> int:
+        """How many block programs are compiled so far (over all shapes) for this forward."""
+        return sum(program._cache_size() for program in {program for _, _, program in _programs(self)[1]})
 
 
 class ModelStep:

@@ -157,30 +157,47 @@ def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array
     return jax.vmap(row_update)(cache, new, index.astype(jnp.int32))
 
 
+def _window_slots(a: jax.Array, start: jax.Array, window: int) -> jax.Array:
+    """a [B, H, L, D] -> [B, H, window, D]: slots start .. start + window - 1 (start [] or [B]: per row)."""
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_slice_in_dim(a, start, window, axis=2)
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, window, axis=1))(a, start)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: float, *,
            window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal (optionally sliding-window) attention of the new queries over all key slots.
 
-    q [B, T, Hq, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] (heads-major, as the cache) -> [B, T, Hq, Dv]. Query t sits in slot index + t
-    (ctx.index [] or [B]: per row) and sees slot s iff s <= index + t, key_valid[s], and (window)
-    index + t - s < window. Padding slots being contiguous at the start of a row, slot distances equal
-    position distances. sinks [Hq]: a per-head logit joining the softmax and then dropped (GPT-OSS). A query
-    with no visible key gets a finite (garbage) output.
+    q [B, T, Hq, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] (heads-major, as the cache) -> [B, T, Hq, Dv]. Query t
+    sits in slot index + t (ctx.index [] or [B]: per row) and sees slot s iff s <= index + t, key_valid[s], and
+    (window) index + t - s < window (a decode step reads only the window's slots). Padding slots being
+    contiguous at the start of a row, slot distances equal position distances. sinks [Hq]: a per-head logit
+    joining the softmax and then dropped (GPT-OSS). A query with no visible key gets a finite (garbage) output.
     """
     B, T, Hq, _ = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     q = q.reshape(B, T, Hkv, Hq // Hkv, q.shape[-1])
-    if T == 1:  # decode: multiply-reduce fusions instead of batched matmuls with one-row operands
+    q_slot = jnp.asarray(ctx.index)[..., None] + jnp.arange(T)  # [T] or [B, T]
+    k_slot = jnp.arange(L)
+    key_valid = ctx.key_valid
+    if T == 1 and window is not None and window < L:
+        # decode in a sliding window: only the last `window` slots can be seen, so read only those
+        start = jnp.clip(q_slot[..., 0] - (window - 1), 0, L - window)  # [] or [B]
+        k_slot = start[..., None] + jnp.arange(window)  # [window] or [B, window]
+        k, v = (_window_slots(a, start, window) for a in (k, v))
+        key_valid = jnp.take_along_axis(key_valid, jnp.broadcast_to(k_slot, (B, window)), axis=1)
+    if T == 1 and B == 1:  # one decode row: the GQA group's query heads make a matmul (faster on XLA:CPU)
+        s = jnp.einsum("bgrd,bgld->bgrl", q[:, 0].astype(jnp.float32), k.astype(jnp.float32))
+        s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
+    elif T == 1:  # decode of several rows: multiply-reduce fusions (XLA:CPU's batched matmuls are slower here)
         s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
     else:
         s = jnp.einsum("btgrd,bgld->bgrtl", q, k).astype(jnp.float32) * scale
-    q_slot = jnp.asarray(ctx.index)[..., None] + jnp.arange(T)  # [T] or [B, T]
-    k_slot = jnp.arange(L)
-    allowed = k_slot <= q_slot[..., None]  # [T, L] or [B, T, L]
+    allowed = k_slot[..., None, :] <= q_slot[..., None]  # [T, L] or [B, T, L]
     if window is not None:
-        allowed &= (q_slot[..., None] - k_slot) < window
-    allowed = allowed & ctx.key_valid[:, None, :]  # [B, T, L]
+        allowed &= (q_slot[..., None] - k_slot[..., None, :]) < window
+    allowed = allowed & key_valid[:, None, :]  # [B, T, L]
     s = jnp.where(allowed[:, None, None], s, jnp.finfo(jnp.float32).min)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, Hq // Hkv)[None, :, :, None, None],
@@ -188,7 +205,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     else:
         p = jax.nn.softmax(s, axis=-1)
-    if T == 1:
+    if T == 1 and B == 1:
+        o = jnp.einsum("bgrl,bgld->bgrd", p[:, :, :, 0], v.astype(jnp.float32))[:, None].astype(v.dtype)
+    elif T == 1:
         o = jnp.sum(p[:, :, :, 0, :, None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, G, R, Dv]
         o = o[:, None].astype(v.dtype)
     else:

@@ -1,10 +1,10 @@
 // tutel-jax native CPU kernels: float32 / bfloat16 kernels [K, N] ([in, out]) times a few activation rows.
 //
 // `float_cols` computes out[r, c - c0] = sum_k a[r, k] * w[k, c] for c in [c0, c1). Up to 8 rows stream the
-// column slice of w row by row in memory order, each weight row used by all rows while it is in registers
-// (decode); more rows go through register tiles of 4 rows x 64 columns (prefill), whose 64-column slice of w is
-// read from memory by the first row tile and from cache by the others. GCC/Clang vector extensions: portable,
-// and 16-lane vectors where the CPU has them.
+// column slice of w in memory order, 4 weight rows per pass over the outputs, each weight vector used by all rows
+// while it is in registers (decode); more rows go through register tiles of 4 rows x 64 columns (prefill), whose
+// 64-column slice of w is read from memory by the first row tile and from cache by the others. GCC/Clang vector
+// extensions: portable, and 16-lane vectors where the CPU has them.
 
 #pragma once
 
@@ -66,32 +66,43 @@ void tile_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t dep
     for (int v = 0; v < kTileVectors; ++v) std::memcpy(out + r * ldo + v * kLanes, &acc[r][v], sizeof(Vec));
 }
 
-// out[r, 0:c1-c0] = sum_k a[r, k] * w[k, c0:c1] for R rows, streaming w's rows in memory order.
+// out[r, 0:c1-c0] = sum_k a[r, k] * w[k, c0:c1] for R rows, streaming w's rows in memory order, kDepthStep rows
+// of w per pass over the outputs (each output vector loaded and stored once per pass, not once per weight row).
 template <int R, typename W>
 void stream_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t depth, int64_t c0, int64_t c1,
                  float* out, int64_t ldo) {
+  constexpr int kDepthStep = 4;
   const int64_t width = c1 - c0, vec_end = width / kLanes * kLanes;
   for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * width);
-  for (int64_t k = 0; k < depth; ++k) {
-    const W* row = w + k * ldw + c0;
-    if (k + kPrefetchRows < depth)  // rows ahead: the strided slices of an [in, out] kernel are not prefetched
-      for (int64_t b = 0; b < width * int64_t(sizeof(W)); b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ldw) + b);
-    float s[R];
-    for (int r = 0; r < R; ++r) s[r] = a[r * lda + k];
+  for (int64_t k = 0; k < depth; k += kDepthStep) {
+    const int step = int(std::min<int64_t>(kDepthStep, depth - k));
+    const W* row[kDepthStep];
+    float s[R][kDepthStep];
+    for (int j = 0; j < kDepthStep; ++j) {
+      row[j] = w + (k + std::min(j, step - 1)) * ldw + c0;
+      for (int r = 0; r < R; ++r) s[r][j] = j < step ? a[r * lda + k + j] : 0.0f;  // a short last pass: zeros
+    }
+    // rows ahead, for a column slice of wider rows (strided: the hardware prefetcher misses it); whole rows are
+    // one contiguous stream, which it follows better alone
+    if (width < ldw && k + kPrefetchRows + step <= depth)
+      for (int j = 0; j < step; ++j)
+        for (int64_t b = 0; b < width * int64_t(sizeof(W)); b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(row[j] + kPrefetchRows * ldw) + b);
     for (int64_t c = 0; c < vec_end; c += kLanes) {
-      const Vec wv = load_vec(row + c);
+      Vec wv[kDepthStep];
+      for (int j = 0; j < kDepthStep; ++j) wv[j] = load_vec(row[j] + c);
       for (int r = 0; r < R; ++r) {
         Vec o;
         std::memcpy(&o, out + r * ldo + c, sizeof(Vec));
-        o += s[r] * wv;
+        for (int j = 0; j < kDepthStep; ++j) o += s[r][j] * wv[j];
         std::memcpy(out + r * ldo + c, &o, sizeof(Vec));
       }
     }
-    for (int64_t c = vec_end; c < width; ++c) {
-      const float wc = load_scalar(row + c);
-      for (int r = 0; r < R; ++r) out[r * ldo + c] += s[r] * wc;
-    }
+    for (int64_t c = vec_end; c < width; ++c)
+      for (int j = 0; j < step; ++j) {
+        const float wc = load_scalar(row[j] + c);
+        for (int r = 0; r < R; ++r) out[r * ldo + c] += s[r][j] * wc;
+      }
   }
 }
 

@@ -102,7 +102,7 @@ def _parser():
                    help="the attention projections' and lm_head's matmul ('native': the C++ CPU kernel; 'auto': "
                         "native on CPU for decode batches of bfloat16 or packed weights)")
     p.add_argument("--per-layer-jit", default="auto", choices=list(PER_LAYER_JIT_CHOICES),
-                   help="compile one program per kind of layer (compile time flat with depth; 'auto': for "
+                   help="compile one program per kind of block of layers (compile time flat with depth; 'auto': for "
                         "models of 8 layers or more) instead of one whole-model program")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's float weights and activations (packed expert weights stay packed)")

@@ -30,7 +30,7 @@ class ServerConfig:
     warmup_max_tokens: int = 2
     dropless_impl: str = "auto"     # the MoE layers' dropless implementation when the app loads the model
     dense_impl: str = "auto"        # the dense projections' matmul (`models.layers.linear`)
-    per_layer_jit: bool | str = "auto"  # one compiled program per kind of layer (`models.layer_programs`)
+    per_layer_jit: bool | str = "auto"  # one compiled program per kind of block of layers (`models.layer_programs`)
     dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408
