@@ -259,9 +259,9 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     out["rss_within_bound"] = out["peak_rss_load_bytes"] <= out["rss_bound_bytes"]
 
     compile_s, compile_whole_s = {}, {}
-    for depth in settings.depths:
-        if depth > model.spec.num_layers:
-            continue
+    # the depths the model has (a model shallower than all of them: its own depth)
+    depths = [d for d in settings.depths if d <= model.spec.num_layers] or [model.spec.num_layers]
+    for depth in depths:
         compile_s[depth] = Decoder(_truncated(model, depth), settings.max_len).step_compile_s()
         if model.per_layer_jit:  # what one whole-model program would take, for comparison
             whole = _truncated(model, depth, per_layer_jit=False)

@@ -1,4 +1,4 @@
-"""`layers.attend` for one new token (decode: a matmul for one row, multiply-reduce for several, a sliding window
+"""`layers.attend` for one new token (decode: a matmul for one row or a large query group, multiply-reduce otherwise, a sliding window
 read as its last `window` slots only) against a float64 NumPy attention over every cache slot."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ L, HQ, HKV, D = 16, 4, 2, 8
 
 def _reference(q, k, v, index, key_valid, scale, window, sinks):
     """q [B, 1, Hq, D], k / v [B, Hkv, L, D], index [B] -> [B, 1, Hq, D], float64, every slot masked explicitly."""
-    B = q.shape[0]
-    out = np.zeros((B, 1, HQ, D))
+    B, _, hq, _ = q.shape
+    hkv = k.shape[1]
+    out = np.zeros((B, 1, hq, D))
     for b in range(B):
-        for h in range(HQ):
-            g = h // (HQ // HKV)
+        for h in range(hq):
+            g = h // (hq // hkv)
             s = k[b, g] @ q[b, 0, h] * scale  # [L]
             slots = np.arange(L)
             seen = (slots <= index[b]) & key_valid[b]
@@ -34,15 +35,17 @@ def _reference(q, k, v, index, key_valid, scale, window, sinks):
     return out
 
 
-@pytest.mark.parametrize("rows", [1, 3])  # the matmul path, the multiply-reduce path
+@pytest.mark.parametrize("rows", [1, 3])  # the matmul path; several rows: multiply-reduce for small query groups
+@pytest.mark.parametrize("heads", [(HQ, HKV), (32, 1)])  # groups of 2 query heads; of 32 (matmul at any rows)
 @pytest.mark.parametrize("window", [None, 4, 32])  # full; a window shorter than the cache (sliced); longer
 @pytest.mark.parametrize("per_row_index", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_decode_equals_float64_attention_over_every_slot(rows, window, per_row_index, with_sinks):
+def test_decode_equals_float64_attention_over_every_slot(rows, heads, window, per_row_index, with_sinks):
+    hq, hkv = heads
     rng = np.random.default_rng(rows * 100 + (window or 0))
-    q = rng.normal(size=(rows, 1, HQ, D)).astype(np.float32)
-    k, v = (rng.normal(size=(rows, HKV, L, D)).astype(np.float32) for _ in range(2))
-    sinks = rng.normal(size=(HQ,)).astype(np.float32) if with_sinks else None
+    q = rng.normal(size=(rows, 1, hq, D)).astype(np.float32)
+    k, v = (rng.normal(size=(rows, hkv, L, D)).astype(np.float32) for _ in range(2))
+    sinks = rng.normal(size=(hq,)).astype(np.float32) if with_sinks else None
     # rows at different positions (per-row index) or one shared index; index 2: a window clipped at slot 0;
     # left padding in the last row
     index = np.array([9, 2, 15][:rows]) if per_row_index else np.full(rows, 11)

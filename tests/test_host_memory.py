@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 from tutel_jax.checkpoint.safetensors_io import SafetensorsFile
-from tutel_jax.host_memory import ALIGNMENT, empty_aligned, stack_aligned
+from tutel_jax.host_memory import ALIGNMENT, empty_aligned
 from tutel_jax import quant_weights
 
 
@@ -21,11 +23,39 @@ def test_empty_aligned_is_aligned_and_contiguous(shape, dtype):
         assert a.flags.c_contiguous and (a.size == 0 or a.ctypes.data % ALIGNMENT == 0)
 
 
-def test_stack_aligned_equals_np_stack():
+def test_stack_reads_lazily_and_equals_np_stack():
     xs = [np.arange(12, dtype=np.int32).reshape(3, 4) * i for i in range(5)]
-    out = stack_aligned(xs)
+    taken = []
+
+    def lazily():
+        for x in xs:
+            taken.append(len(taken))
+            yield x
+
+    out = quant_weights.stack(lazily(), len(xs))
     np.testing.assert_array_equal(out, np.stack(xs))
-    assert out.ctypes.data % ALIGNMENT == 0
+    assert out.ctypes.data % ALIGNMENT == 0 and taken == [0, 1, 2, 3, 4]
+
+
+def test_stack_of_containers_is_field_by_field():
+    rng = np.random.default_rng(0)
+    ws = [quant_weights.quantize(rng.standard_normal((64, 64)).astype(np.float32), "mxfp4") for _ in range(3)]
+    host = [jax.tree_util.tree_map(np.asarray, w) for w in ws]
+    out = quant_weights.stack(iter(host), 3)
+    assert out.format == "mxfp4"
+    for field_out, *fields in zip(jax.tree_util.tree_leaves(out), *(jax.tree_util.tree_leaves(h) for h in host)):
+        np.testing.assert_array_equal(field_out, np.stack(fields))
+
+
+@pytest.mark.parametrize("values, count, message", [
+    ([np.zeros((2, 3), np.float32)] * 2, 3, "2 experts, expected 3"),
+    ([np.zeros((2, 3), np.float32)] * 3, 2, "more than 2 experts"),
+    ([np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32)], 2, "expert 1 has a float32 [3, 2]"),
+    ([np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float16)], 2, "expert 1 has a float16 [2, 3]"),
+])
+def test_stack_bad_experts_name_the_expert(values, count, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        quant_weights.stack(values, count, what="w")
 
 
 def test_cpu_device_put_adopts_an_aligned_array():

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGNMENT", "empty_aligned", "stack_aligned"]
+__all__ = ["ALIGNMENT", "empty_aligned"]
 
 #: XLA:CPU's minimum buffer alignment for adopting host memory
 ALIGNMENT = 64
@@ -27,10 +27,3 @@ def empty_aligned(shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def stack_aligned(arrays: list[np.ndarray] | tuple[np.ndarray, ...]) -> np.ndarray:
-    """np.stack(arrays) (on a new leading axis) into an `empty_aligned` array."""
-    first = np.asarray(arrays[0])
-    out = empty_aligned((len(arrays),) + first.shape, first.dtype)
-    return np.stack(arrays, out=out)

@@ -16,13 +16,14 @@ for inference: the kernels have no VJP.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .host_memory import stack_aligned
+from .host_memory import empty_aligned
 
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
            "logical_shape", "resident_bytes"]
@@ -82,10 +83,34 @@ def to_jax(a: Any, dtype: Any) -> Any:
     return jnp.asarray(a, dtype)
 
 
-def stack(values: list) -> Any:
-    """Stacks per-expert arrays, or per-expert containers field by field, on a new leading axis (NumPy, aligned:
-    see `host_memory`)."""
-    return jax.tree_util.tree_map(lambda *xs: stack_aligned(xs), *values)
+def stack(values: Iterable[Any], count: int, what: str = "experts") -> Any:
+    """Stacks `count` per-expert arrays, or per-expert containers field by field, on a new leading axis: NumPy
+    arrays [count, ...] from `empty_aligned` (see `host_memory`). `values` is consumed one at a time and each value
+    is dropped once copied into its slot, so a lazy iterable (e.g. tensors read from a checkpoint) holds the
+    stacked result plus one expert at a time, never a layer's experts twice. ValueError (naming `what` and the
+    expert) for values of different formats, structures, shapes or dtypes, or not `count` of them."""
+    treedef, outs, n = None, [], 0
+    for i, value in enumerate(values):
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        if treedef is None:
+            treedef = tree
+            outs = [empty_aligned((count,) + np.shape(leaf), np.asarray(leaf).dtype) for leaf in leaves]
+        if tree != treedef:
+            raise ValueError(f"{what}: expert {i} is {getattr(value, 'format', None) or 'float'}, unlike expert 0 "
+                             "(mixed weight formats)")
+        if i >= count:
+            raise ValueError(f"{what}: more than {count} experts")
+        for out, leaf in zip(outs, leaves):
+            leaf = np.asarray(leaf)
+            if leaf.shape != out.shape[1:] or leaf.dtype != out.dtype:
+                raise ValueError(f"{what}: expert {i} has a {leaf.dtype} {list(leaf.shape)} field where expert 0 "
+                                 f"has {out.dtype} {list(out.shape[1:])}")
+            out[i] = leaf
+        del value, leaves
+        n = i + 1
+    if n != count:
+        raise ValueError(f"{what}: {n} experts, expected {count}")
+    return jax.tree_util.tree_unflatten(treedef, outs)
 
 
 def logical_shape(w: Any) -> tuple[int, ...]:

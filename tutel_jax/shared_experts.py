@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from . import quant_weights
 from .experts import _activation
+from .linear import linear
 
 __all__ = ["SharedExperts", "make_shared_experts"]
 
@@ -56,10 +57,9 @@ class SharedExperts:
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         """x [S, M] -> [S, M_out] in x's dtype."""
         dtype = x.dtype
-        if self.weight_format is not None:
-            h = (self.activation_fn(quant_weights.dense(x, params["gate_proj"]))
-                 * quant_weights.dense(x, params["up_proj"]))
-            y = quant_weights.dense(h, params["down_proj"])
+        if self.weight_format is not None:  # packed weights: for a few rows on CPU the native kernel streams them
+            h = self.activation_fn(linear(x, params["gate_proj"])) * linear(x, params["up_proj"])
+            y = linear(h, params["down_proj"])
         else:
             h = self.activation_fn(x @ params["gate_proj"].astype(dtype)) * (x @ params["up_proj"].astype(dtype))
             y = h @ params["down_proj"].astype(dtype)

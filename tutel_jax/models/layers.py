@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import quant_weights
+from ..linear import DENSE_IMPLS, check_dense_impl, linear
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
@@ -28,30 +29,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     return w * h.astype(x.dtype)
-
-
-DENSE_IMPLS = ("auto", "xla", "native")
-
-
-def check_dense_impl(impl: str) -> str:
-    if impl not in DENSE_IMPLS:
-        raise ValueError(f"dense_impl must be one of {DENSE_IMPLS}, got {impl!r}")
-    return impl
-
-
-def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto") -> jax.Array:
-    """x [..., in] @ w (+ b [out]) -> [..., out] in x's dtype: w a float kernel [in, out], or a quantized container
-    of the on-disk [out, in] weight.
-
-    impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant_weights`), 'native' (the
-    C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
-    accumulation) or 'auto': 'native' on CPU for at most `native.dense.MAX_ROWS` rows (decode) of a bfloat16 or
-    packed weight when the kernel can be built, else 'xla'."""
-    from ..native.dense import dense, worth_it  # lazy: builds nothing until the kernel is first used
-    if impl == "native" or (impl == "auto" and worth_it(x, w)):
-        return dense(x, w, b).astype(x.dtype)
-    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
-    return y if b is None else y + b
 
 
 def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
@@ -186,10 +163,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         k_slot = start[..., None] + jnp.arange(window)  # [window] or [B, window]
         k, v = (_window_slots(a, start, window) for a in (k, v))
         key_valid = jnp.take_along_axis(key_valid, jnp.broadcast_to(k_slot, (B, window)), axis=1)
-    if T == 1 and B == 1:  # one decode row: the GQA group's query heads make a matmul (faster on XLA:CPU)
+    # decode: the GQA group's R query heads make a matmul against the keys when there is one row or the group is
+    # large (MLA's latent attention: R = all heads; 20-30x faster on XLA:CPU); several rows of small groups stay
+    # multiply-reduce fusions (XLA:CPU's small batched matmuls are slower there)
+    group_dot = T == 1 and (B == 1 or Hq // Hkv >= 16)
+    if group_dot:
         s = jnp.einsum("bgrd,bgld->bgrl", q[:, 0].astype(jnp.float32), k.astype(jnp.float32))
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
-    elif T == 1:  # decode of several rows: multiply-reduce fusions (XLA:CPU's batched matmuls are slower here)
+    elif T == 1:
         s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
     else:
@@ -205,7 +186,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     else:
         p = jax.nn.softmax(s, axis=-1)
-    if T == 1 and B == 1:
+    if group_dot:
         o = jnp.einsum("bgrl,bgld->bgrd", p[:, :, :, 0], v.astype(jnp.float32))[:, None].astype(v.dtype)
     elif T == 1:
         o = jnp.sum(p[:, :, :, 0, :, None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, G, R, Dv]

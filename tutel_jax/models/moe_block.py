@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .. import quant_weights
+from ..host_memory import empty_aligned
 from .families import family_of
 from .family import moe_hidden_size
 
@@ -56,15 +57,32 @@ def _format_of(values: list, what: str) -> str | None:
 
 def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str, str]) -> tuple[dict, str | None]:
     """Per-expert HF [out, in] weights -> ('swiglu' params, weight format). Float: gate_up_proj [E, M, 2, I],
-    down_proj [E, I, M]; quantized: containers gate_proj / up_proj [E, I, M], down_proj [E, M, I]."""
-    parts = {n: [_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)] for n in names}
-    fmt = _format_of([v for vs in parts.values() for v in vs], f"experts under {prefix!r}")
+    down_proj [E, I, M]; quantized: containers gate_proj / up_proj [E, I, M], down_proj [E, M, I]. Experts are
+    read one at a time into the stacked arrays (a layer's experts are never held twice)."""
+    first = _take(tensors, f"{prefix}0.{names[0]}")
+    fmt = getattr(first, "format", None)
+    del first
     if fmt is not None:
-        return {key: quant_weights.stack(parts[n]) for key, n in zip(("gate_proj", "up_proj", "down_proj"),
-                                                                     names)}, fmt
-    gate, up, down = (np.stack(parts[n]) for n in names)  # [E, I, M], [E, I, M], [E, M, I]
-    return {"gate_up_proj": np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=2),
-            "down_proj": down.transpose(0, 2, 1)}, None
+        return {key: quant_weights.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)),
+                                         num_experts, what=f"{prefix}*.{n}")
+                for key, n in zip(("gate_proj", "up_proj", "down_proj"), names)}, fmt
+    # float: gate and up go straight into their [M, 2, I] slots, down into [I, M] (transposed copies)
+    gate_up = down = None
+    for e in range(num_experts):
+        gate, up, dn = (_take(tensors, f"{prefix}{e}.{n}") for n in names)  # [I, M], [I, M], [M, I]
+        if any(quant_weights.is_quantized(v) for v in (gate, up, dn)):
+            raise ValueError(f"experts under {prefix!r}: expert {e} is quantized, unlike expert 0's "
+                             f"{names[0]} (mixed weight formats)")
+        if gate_up is None:
+            inter, hidden = gate.shape
+            gate_up = empty_aligned((num_experts, hidden, 2, inter), gate.dtype)
+            down = empty_aligned((num_experts, inter, hidden), dn.dtype)
+        if gate.shape != up.shape or gate.shape != gate_up.shape[3:0:-2] or dn.shape != down.shape[:0:-1]:
+            raise ValueError(f"experts under {prefix!r}: expert {e} has shapes {names[0]} {list(gate.shape)}, "
+                             f"{names[1]} {list(up.shape)}, {names[2]} {list(dn.shape)}; expert 0 has "
+                             f"{list(gate_up.shape[3:0:-2])} and {list(down.shape[:0:-1])}")
+        gate_up[e, :, 0], gate_up[e, :, 1], down[e] = gate.T, up.T, dn.T
+    return {"gate_up_proj": gate_up, "down_proj": down}, None
 
 
 def _shared_experts(tensors, prefix: str, hidden: int, gate_name: str | None = None) -> tuple[dict, dict]:
