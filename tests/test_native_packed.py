@@ -150,6 +150,24 @@ def test_dense_kernel_matches_float64_reference(fmt):
 
 
 @needs_compiler
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_mul"])
+def test_nvfp4_long_rows_with_every_kind_of_scale(fmt):
+    """NVFP4 rows of 67 wide chunks + a 32 and a 16 tail (the kernel decodes scales 16 at a time, 64 chunks per
+    pass: both passes, a vector and a scalar part), with zero and subnormal e4m3 scale codes among them."""
+    rng = np.random.default_rng(2)
+    model_dim = 128 * 67 + 32 + 16
+    w, _ = _quantize(rng, (70, model_dim), fmt)
+    codes = np.asarray(w.scale).view(np.uint8).copy()
+    codes[:, ::7], codes[:, 3::11] = 0x00, 0x03  # zero, subnormal (3 x 2^-9)
+    w = Nvfp4Weight(w.packed, jnp.asarray(codes.view(np.asarray(w.scale).dtype)), w.global_scale,
+                    global_multiplies=w.global_multiplies)
+    w_ref = np.asarray(w.dequantize(), np.float64)
+    for rows in (1, 3):
+        x = rng.normal(size=(rows, model_dim)).astype(np.float32)
+        _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
+
+
+@needs_compiler
 def test_dense_leading_axes_and_errors():
     rng = np.random.default_rng(2)
     w, w_ref = _quantize(rng, (40, 64), "mxfp4")

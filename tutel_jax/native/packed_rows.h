@@ -179,14 +179,29 @@ struct Fp8Chunks {
   }
 };
 
+// NVFP4 scale codes [count] -> out [count] floats equal to the scale table's (e4m3 decoded exactly, NaN for the
+// NaN codes, then divided, or with `mul` multiplied, by the global scale as `scale_table` does): 16 codes per
+// vector, where looking each chunk's codes up in the table took a gather.
+inline void nv_decode_scales(const uint8_t* codes, int64_t count, float global, bool mul, const float* table,
+                             float* out) {
+  const __m512 g = _mm512_set1_ps(global);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512i mag = _mm512_and_si512(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))), _mm512_set1_epi32(0x7F));
+    __m512 v = fp8_decode16(codes + i, _mm512_set1_ps(1.0f));
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), v, _mm512_set1_ps(NAN));
+    _mm512_storeu_ps(out + i, mul ? _mm512_mul_ps(v, g) : _mm512_div_ps(v, g));
+  }
+  for (; i < count; ++i) out[i] = table[codes[i]];
+}
+
 // The scales of wide chunk c: lane l holds elements 8l .. 8l+7, in MXFP4 block l/4 (E8M0 computed in place) or
-// NVFP4 block l/2 (gathered from the 256-entry table).
-inline __m512 fp4_wide_scale(const uint8_t* scales, int64_t c, bool nv, const float* table) {
+// NVFP4 block l/2 (`nv`: the chunk's 8 decoded scales, each spread over two lanes).
+inline __m512 fp4_wide_scale(const uint8_t* scales, int64_t c, const float* nv) {
   if (nv) {
     const __m512i nv_lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i idx = _mm512_permutexvar_epi32(
-        nv_lane, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * c))));
-    return _mm512_i32gather_ps(idx, table, 4);
+    return _mm512_permutexvar_ps(nv_lane, _mm512_castps256_ps512(_mm256_loadu_ps(nv)));
   }
   const __m512i mx_shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
   uint32_t four;
@@ -197,20 +212,26 @@ inline __m512 fp4_wide_scale(const uint8_t* scales, int64_t c, bool nv, const fl
   return _mm512_castsi512_ps(bits);
 }
 
+// Wide chunks whose NVFP4 scales are decoded at a time (on the stack: 8 floats each).
+constexpr int64_t kNvScaleChunks = 64;
+
 // One FP4 row (codes [K/2], scale codes) times R arranged rows: wide chunks first (8 table permutes per 64-byte
 // load, one scale vector per chunk applied to the chunk's partial sums), then 32-element chunks, then the rest.
 template <int R>
-inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float* table, bool nv, int64_t K,
-                        const float* xa, int64_t ldx, float* sums) {
+inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float* table, bool nv, float global,
+                        bool global_mul, int64_t K, const float* xa, int64_t ldx, float* sums) {
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   const int64_t wide = K / kWide, narrow = (K - wide * kWide) / kChunk;
   __m512 acc[R];
+  float nv_scales[8 * kNvScaleChunks];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < wide; ++c) {
+    if (nv && c % kNvScaleChunks == 0)
+      nv_decode_scales(scales + 8 * c, 8 * std::min(kNvScaleChunks, wide - c), global, global_mul, table, nv_scales);
     // a few lines ahead (into the next rows): memory and arithmetic overlap instead of taking turns
     _mm_prefetch(reinterpret_cast<const char*>(codes + 64 * c + kPrefetchBytes), _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512(codes + 64 * c);
-    const __m512 s = fp4_wide_scale(scales, c, nv, table);
+    const __m512 s = fp4_wide_scale(scales, c, nv ? nv_scales + 8 * (c % kNvScaleChunks) : nullptr);
     __m512 part[R];
     const float* xc = xa + c * kWide;
     {
@@ -240,17 +261,17 @@ inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float
   for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-inline void fp4_dot_rows(const uint8_t* codes, const uint8_t* scales, const float* table, bool nv, int64_t K,
-                         const float* xa, int64_t ldx, int rows, float* sums) {
+inline void fp4_dot_rows(const uint8_t* codes, const uint8_t* scales, const float* table, bool nv, float global,
+                         bool global_mul, int64_t K, const float* xa, int64_t ldx, int rows, float* sums) {
   switch (rows) {
-    case 1: return fp4_dot_row<1>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 2: return fp4_dot_row<2>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 3: return fp4_dot_row<3>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 4: return fp4_dot_row<4>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 5: return fp4_dot_row<5>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 6: return fp4_dot_row<6>(codes, scales, table, nv, K, xa, ldx, sums);
-    case 7: return fp4_dot_row<7>(codes, scales, table, nv, K, xa, ldx, sums);
-    default: return fp4_dot_row<8>(codes, scales, table, nv, K, xa, ldx, sums);
+    case 1: return fp4_dot_row<1>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 2: return fp4_dot_row<2>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 3: return fp4_dot_row<3>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 4: return fp4_dot_row<4>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 5: return fp4_dot_row<5>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 6: return fp4_dot_row<6>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    case 7: return fp4_dot_row<7>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
+    default: return fp4_dot_row<8>(codes, scales, table, nv, global, global_mul, K, xa, ldx, sums);
   }
 }
 
@@ -315,9 +336,13 @@ inline void decode_row(const PackedWeight& w, const float* table, int64_t n, flo
     const bool nv = is_nv(w.fmt);
     const __m512 lut = _mm512_loadu_ps(kE2M1);
     const int64_t wide = K / kWide;
+    float nv_scales[8 * kNvScaleChunks];
     for (int64_t c = 0; c < wide; ++c) {
+      if (nv && c % kNvScaleChunks == 0)
+        nv_decode_scales(scales + 8 * c, 8 * std::min(kNvScaleChunks, wide - c), w.global, w.fmt == kNvfp4Mul,
+                         table, nv_scales);
       const __m512i v = _mm512_loadu_si512(codes + 64 * c);
-      const __m512 s = fp4_wide_scale(scales, c, nv, table);
+      const __m512 s = fp4_wide_scale(scales, c, nv ? nv_scales + 8 * (c % kNvScaleChunks) : nullptr);
       for (int j = 0; j < 8; ++j)
         _mm512_storeu_ps(dst + c * kWide + 16 * j,
                          _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, _mm512_set1_epi32(4 * j)), lut), s));
@@ -436,8 +461,8 @@ inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t l
         FloatRowChunks ch{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K};
         dot_rows(ch, full, x, ldx, rows, sums);
       } else {
-        fp4_dot_rows(w.data + n * (K / 2), w.scale + n * w.scales_per_row(), table, is_nv(w.fmt), K, x, ldx,
-                     rows, sums);
+        fp4_dot_rows(w.data + n * (K / 2), w.scale + n * w.scales_per_row(), table, is_nv(w.fmt), w.global,
+                     w.fmt == kNvfp4Mul, K, x, ldx, rows, sums);
       }
       for (int64_t k = tail0; k < K; ++k) {
         const float v = decode_one(w, table, n, k);
