@@ -50,8 +50,8 @@ def test_stack_of_containers_is_field_by_field():
 @pytest.mark.parametrize("values, count, message", [
     ([np.zeros((2, 3), np.float32)] * 2, 3, "2 experts, expected 3"),
     ([np.zeros((2, 3), np.float32)] * 3, 2, "more than 2 experts"),
-    ([np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32)], 2, "expert 1 has a float32 [3, 2]"),
-    ([np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float16)], 2, "expert 1 has a float16 [2, 3]"),
+    ([np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32)], 2, "expert 1 has shape [3, 2] (float32)"),
+    ([np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float16)], 2, "expert 1 has shape [2, 3] (float16)"),
 ])
 def test_stack_bad_experts_name_the_expert(values, count, message):
     with pytest.raises(ValueError, match=re.escape(message)):

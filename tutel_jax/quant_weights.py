@@ -103,8 +103,8 @@ def stack(values: Iterable[Any], count: int, what: str = "experts") -> Any:
         for out, leaf in zip(outs, leaves):
             leaf = np.asarray(leaf)
             if leaf.shape != out.shape[1:] or leaf.dtype != out.dtype:
-                raise ValueError(f"{what}: expert {i} has a {leaf.dtype} {list(leaf.shape)} field where expert 0 "
-                                 f"has {out.dtype} {list(out.shape[1:])}")
+                raise ValueError(f"{what}: expert {i} has shape {list(leaf.shape)} ({leaf.dtype}) where expert 0 "
+                                 f"has {list(out.shape[1:])} ({out.dtype})")
             out[i] = leaf
         del value, leaves
         n = i + 1

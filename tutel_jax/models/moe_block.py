@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from .. import quant_weights
-from ..host_memory import empty_aligned
 from .families import family_of
 from .family import moe_hidden_size
 
@@ -66,22 +65,24 @@ def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str,
         return {key: quant_weights.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)),
                                          num_experts, what=f"{prefix}*.{n}")
                 for key, n in zip(("gate_proj", "up_proj", "down_proj"), names)}, fmt
-    # float: gate and up go straight into their [M, 2, I] slots, down into [I, M] (transposed copies)
-    gate_up = down = None
-    for e in range(num_experts):
-        gate, up, dn = (_take(tensors, f"{prefix}{e}.{n}") for n in names)  # [I, M], [I, M], [M, I]
-        if any(quant_weights.is_quantized(v) for v in (gate, up, dn)):
-            raise ValueError(f"experts under {prefix!r}: expert {e} is quantized, unlike expert 0's "
-                             f"{names[0]} (mixed weight formats)")
-        if gate_up is None:
-            inter, hidden = gate.shape
-            gate_up = empty_aligned((num_experts, hidden, 2, inter), gate.dtype)
-            down = empty_aligned((num_experts, inter, hidden), dn.dtype)
-        if gate.shape != up.shape or gate.shape != gate_up.shape[3:0:-2] or dn.shape != down.shape[:0:-1]:
-            raise ValueError(f"experts under {prefix!r}: expert {e} has shapes {names[0]} {list(gate.shape)}, "
-                             f"{names[1]} {list(up.shape)}, {names[2]} {list(dn.shape)}; expert 0 has "
-                             f"{list(gate_up.shape[3:0:-2])} and {list(down.shape[:0:-1])}")
-        gate_up[e, :, 0], gate_up[e, :, 1], down[e] = gate.T, up.T, dn.T
+
+    def float_weight(e: int, n: str) -> np.ndarray:
+        w = _take(tensors, f"{prefix}{e}.{n}")
+        if quant_weights.is_quantized(w):
+            raise ValueError(f"{prefix}{e}.{n} is {w.format}, unlike expert 0's {names[0]} (mixed weight formats)")
+        return w
+
+    def gate_and_up(e: int) -> np.ndarray:  # [M, 2, I]: expert e's gate and up kernels side by side
+        gate, up = float_weight(e, names[0]), float_weight(e, names[1])
+        if gate.shape != up.shape:
+            raise ValueError(f"{prefix}{e}: {names[0]} has shape {list(gate.shape)}, {names[1]} {list(up.shape)}")
+        return np.stack([gate.T, up.T], axis=1)
+
+    # float: [in, out] kernels, gate_up_proj [E, M, 2, I] and down_proj [E, I, M]
+    gate_up = quant_weights.stack((gate_and_up(e) for e in range(num_experts)), num_experts,
+                                  what=f"{prefix}*.{names[0]}+{names[1]}")
+    down = quant_weights.stack((float_weight(e, names[2]).T for e in range(num_experts)), num_experts,
+                               what=f"{prefix}*.{names[2]}")
     return {"gate_up_proj": gate_up, "down_proj": down}, None
 
 
