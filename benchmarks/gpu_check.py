@@ -8,8 +8,8 @@ the script and its checks run (the interpreter is not the Triton kernel, and CPU
 GPU). The full run is meant to finish in <= 8 minutes on one H100/H200: an estimate, not a measurement.
 
 Checks, on fresh random inputs (a new seed every run unless --seed; the seed is in the results). The kernel
-side runs with kernel_backend='auto' on a GPU and 'interpret' in --dry-run ('auto' is XLA on a CPU, which would
-compare XLA with itself) and TUTEL_JAX_KERNELS=auto (the dense quantized matmuls, which always ask for 'auto',
+side runs with the default kernel_backend (unset: the kernels of the platform the program is compiled for) on a
+GPU and 'interpret' in --dry-run (the default is XLA on a CPU, which would compare XLA with itself) and TUTEL_JAX_KERNELS=auto (the dense quantized matmuls, which always ask for 'auto',
 run their kernels on a GPU and XLA in the dry run; kernel.* interprets them); the reference side runs
 kernel_backend=None with TUTEL_JAX_KERNELS=xla: pure XLA. A kernel side whose traced program holds no
 pallas_call fails (it would compare XLA with XLA).
@@ -21,8 +21,10 @@ pallas_call fails (it would compare XLA with XLA).
     w.r.t. every parameter and the input, for a capacity config (Tutel 'top' gate, k=2, capacity_factor=1,
     ffn experts) and a dropless one (DeepSeek-V3 router, k=2 of 8 (dry run) / 16 experts in 4 groups, SwiGLU
     experts plus a shared expert, capacity_factor=0, dropless_impl='ragged'). Per leaf,
-    max |a - b| <= tol x max |b|: tol = 2e-5 in interpret mode; on a GPU 1e-2, an allowance for float32 dots
-    that the Triton kernels and XLA both run in TF32 (10-bit mantissa) by default.
+    max |a - b| <= tol x max |b|: tol = 2e-5 in interpret mode; on a GPU 1e-4 (float32 sums in another order:
+    split-K partials, atomics). Checks 1-4 run under `jax.default_matmul_precision("highest")`, on both sides:
+    the kernels' float32 dots follow that setting as XLA's do (TF32, a 10-bit mantissa, by default on GPUs;
+    IEEE float32 under "highest"), so the comparison sees the kernels' own error, not TF32's.
  3. generate.*: `from_pretrained` + greedy `generate` (a 2 x 4-token random prompt, 8 new tokens) on the
     quantized fixtures tests/fixtures/hf/{deepseek_v3_fp8, gpt_oss_mxfp4, qwen3_moe_nvfp4}: the tokens with
     kernels must equal the reference's exactly (dropless_impl='ragged' on both sides: what 'auto' picks on a
@@ -80,7 +82,7 @@ from tutel_jax import init_params, make_config, moe_apply
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 #: per-leaf relative tolerance of the layer / expert-parallel comparisons, by kernel implementation
-LAYER_TOLERANCE = {"interpret": 2e-5, "pallas": 1e-2}
+LAYER_TOLERANCE = {"interpret": 2e-5, "pallas": 1e-4}
 #: quantized HF fixtures of the generation checks (greedy tokens must match exactly)
 QUANT_FIXTURES = ("deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4")
 RAGGED_CPU_REASON = "XLA:CPU cannot compile ragged_all_to_all"
@@ -575,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seed = gk.fresh_seed() if args.seed is None else args.seed
     impl = gk.kernel_implementation(args.dry_run)
-    backend = "auto" if impl == "pallas" else "interpret"  # the layer's kernel_backend
+    # the layer's kernel_backend: on a GPU the default (unset: the compile platform's kernels), so the checks
+    # prove that a default program holds the kernels; in the dry run the interpreter, asked for explicitly
+    backend = None if impl == "pallas" else "interpret"
     started = time.perf_counter()
     print(f"tutel-jax GPU check on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"kernel_backend={backend!r}, kernels={impl!r}, seed={seed}{', dry run' if args.dry_run else ''}",
@@ -587,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - gpu_kernels records per-check failures; this is a crash of the set
         checks = [{"name": "kernel.run_checks", "status": FAIL, "error": error_text(exc), "seconds": 0.0}]
     print("layer, generation, expert parallelism:", flush=True)
-    checks += [run_check(name, fn) for name, fn in all_checks(backend, impl, args.dry_run, args.quick, seed)]
+    with jax.default_matmul_precision("highest"):  # float32 without TF32 on both sides (see the docstring)
+        checks += [run_check(name, fn) for name, fn in all_checks(backend, impl, args.dry_run, args.quick, seed)]
     print("timings:", flush=True)
     timing = run_check("timings.gmm_and_quant_decode",
                        lambda: run_timings(impl, args.dry_run, args.quick, gk.Inputs(seed + 1), seed))

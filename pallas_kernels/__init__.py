@@ -1,7 +1,8 @@
-"""Pallas GPU kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
+"""Pallas kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
 
-Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend; tiled per GPU target, see targets.py
-and the offline compile in offline/) and has the signature `op(..., implementation="auto", config=None)`:
+Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend, tiled per GPU target, see targets.py
+and the offline compile in offline/; Mosaic TPU kernels for gmm / tgmm and encode / decode, tpu_gmm.py and
+tpu_dispatch.py) and has the signature `op(..., implementation="auto", config=None)`:
 
 | op | module | reference |
 |---|---|---|
@@ -10,14 +11,18 @@ and the offline compile in offline/) and has the signature `op(..., implementati
 | `gmm`, `tgmm` | gmm.py | `lax.ragged_dot` (custom VJP: d lhs = gmm, d rhs = tgmm) |
 | `quant_matmul`, `quant_gmm` | quant_matmul.py | dequantize (quant.py) then float32 matmul |
 
-`implementation`: "auto" (kernel on a GPU backend, XLA reference elsewhere; overridable by the environment
-variable `TUTEL_JAX_KERNELS=xla|pallas|interpret`), "xla", "pallas", or "interpret" (the kernel through Pallas'
-CPU interpreter, for tests). `config`: the op's frozen tiling dataclass (defaults chosen from the shapes).
-On a CPU nothing changes unless a kernel is asked for explicitly.
+`implementation`: "auto" (the kernel of the platform the program is compiled for: Triton on GPUs, Mosaic on
+TPUs where the op has one, with the XLA reference as fallback; the reference on CPUs; see `_select.py`;
+overridable by the environment variable `TUTEL_JAX_KERNELS`), "xla", "pallas" (Triton), "interpret" (the Triton
+kernel through Pallas' CPU interpreter, for tests), "tpu" (Mosaic TPU) or "tpu_interpret". `config`: the op's
+frozen tiling dataclass (defaults chosen from the shapes). On a CPU nothing changes unless a kernel is asked
+for explicitly.
 """
 
-from ._select import ENV_VAR, IMPLEMENTATIONS, NotSupported, choose, gpu_backend, resolve, resolved_name
-from .targets import DEFAULT_TARGET, TARGETS, Target, current_target, get_target, lowering_context, use_target
+from ._select import (ENV_VAR, IMPLEMENTATIONS, NotSupported, choose, environment_choice, gpu_backend, resolve,
+                      resolved_name)
+from .targets import (DEFAULT_TARGET, PLATFORMS, TARGETS, Target, compile_platform, current_target, get_target,
+                      lowering_context, use_target)
 from .dispatch import (DispatchConfig, decode, decode_reference, default_dispatch_config, encode,
                        encode_reference, grouped_rows, permute, row_dots_reference, unpermute)
 from .gating import (GatingConfig, GatingResult, default_gating_config, gating, gating_reference, slot_positions,
@@ -31,9 +36,11 @@ from .quant_matmul import (QuantMatmulConfig, default_quant_config, quant_gmm, q
 
 __all__ = [
     # selection
-    "ENV_VAR", "IMPLEMENTATIONS", "NotSupported", "choose", "gpu_backend", "resolve", "resolved_name",
+    "ENV_VAR", "IMPLEMENTATIONS", "NotSupported", "choose", "environment_choice", "gpu_backend", "resolve",
+    "resolved_name",
     # targets (GPU generations: tilings and code paths)
-    "DEFAULT_TARGET", "TARGETS", "Target", "current_target", "get_target", "lowering_context", "use_target",
+    "DEFAULT_TARGET", "PLATFORMS", "TARGETS", "Target", "compile_platform", "current_target", "get_target",
+    "lowering_context", "use_target",
     # gating
     "GatingConfig", "GatingResult", "default_gating_config", "gating", "gating_reference", "slot_positions",
     "slot_positions_reference",

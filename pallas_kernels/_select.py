@@ -1,17 +1,21 @@
 """Choosing between a Pallas kernel and its plain-XLA reference (tokamax style).
 
-Every op in this package has an ordered list of implementations: the Pallas (Triton backend) kernel first, the
-XLA reference last. A call resolves its `implementation=` argument like this:
+Every op in this package has an ordered list of implementations: the platform's Pallas kernel first (Triton
+on GPUs, Mosaic on TPUs, where the op has one), the XLA reference last. A call resolves its `implementation=`
+argument like this (call > runtime > default):
 
-1. an explicit name ("xla", "pallas", "interpret") wins: the op runs that implementation or raises;
+1. an explicit name ("xla", "pallas", "interpret", "tpu", "tpu_interpret") wins: the op runs that
+   implementation or raises;
 2. "auto" (the default) reads the environment variable `TUTEL_JAX_KERNELS` (same names, or "auto");
-3. still "auto": the kernel on a GPU backend (with the reference as fallback when the kernel does not support
-   the call, e.g. too many experts for one tile), the XLA reference everywhere else (CPU, TPU).
+3. still "auto": the kernel of the platform the program is compiled for (`targets.compile_platform`: the mesh in
+   context, else the default device; a deviceless compile for GPUs on a CPU host is a GPU program), with the
+   reference as fallback when the kernel does not support the call (e.g. too many experts for one tile) or the
+   op has no kernel for that platform; the XLA reference on CPUs.
 
-"interpret" runs the same kernel through Pallas' interpreter (`interpret=True`): slow, CPU-only, used by the
-tests to check the kernels against their references without a GPU.
+"interpret" runs the Triton kernel through Pallas' interpreter (`interpret=True`), "tpu_interpret" the Mosaic TPU
+kernel: slow, CPU-only, used by the tests to check the kernels against their references without a device.
 
-The choice is made when the op is traced (shapes and the backend are known then), so under `jax.jit` it is
+The choice is made when the op is traced (shapes and the target are known then), so under `jax.jit` it is
 baked into the compiled program; set the environment variable before the first trace.
 """
 
@@ -20,18 +24,23 @@ from __future__ import annotations
 import os
 from typing import Callable, Literal
 
-import jax
+from .targets import compile_platform
 
-__all__ = ["ENV_VAR", "IMPLEMENTATIONS", "Implementation", "NotSupported", "resolve", "resolved_name",
-           "gpu_backend", "choose"]
+__all__ = ["ENV_VAR", "IMPLEMENTATIONS", "AUTO_ORDER", "Implementation", "NotSupported", "resolve", "resolved_name",
+           "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice"]
 
 ENV_VAR = "TUTEL_JAX_KERNELS"
 #: concrete implementations, in the order "auto" tries them on a GPU
 IMPLEMENTATIONS: tuple[str, ...] = ("pallas", "xla")
-Implementation = Literal["auto", "xla", "pallas", "interpret"]
-_NAMES = ("auto", "xla", "pallas", "interpret")
+#: what "auto" tries, by the platform the program is compiled for
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"gpu": IMPLEMENTATIONS, "tpu": ("tpu", "xla"), "cpu": ("xla",)}
+#: the Mosaic TPU kernel, compiled or interpreted
+TPU_IMPLEMENTATIONS = ("tpu", "tpu_interpret")
+Implementation = Literal["auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret"]
+_NAMES = ("auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret")
 # accepted spellings of the same thing
-_ALIASES = {"triton": "pallas", "kernel": "pallas", "reference": "xla", "ref": "xla", "": "auto"}
+_ALIASES = {"triton": "pallas", "kernel": "pallas", "reference": "xla", "ref": "xla", "": "auto",
+            "mosaic_tpu": "tpu", "mosaic": "tpu"}
 
 
 class NotSupported(ValueError):
@@ -51,25 +60,32 @@ def _normalise(name: str | None, source: str) -> str:
 
 
 def gpu_backend() -> bool:
-    """True when JAX's default backend is a GPU (CUDA or ROCm), where the Triton kernels run."""
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
+    """True when the program being traced is compiled for a GPU (CUDA or ROCm), where the Triton kernels run."""
+    return compile_platform() == "gpu"
+
+
+def environment_choice() -> str | None:
+    """The implementation `TUTEL_JAX_KERNELS` names, or None when it is unset or "auto" (the one reader of the
+    variable)."""
+    name = _normalise(os.environ.get(ENV_VAR), ENV_VAR)
+    return None if name == "auto" else name
 
 
 def resolve(implementation: str | None = "auto") -> tuple[str, ...]:
     """The implementations a call will try, in order.
 
     Args:
-      implementation: "auto" (or None), "xla", "pallas" or "interpret".
+      implementation: "auto" (or None), "xla", "pallas", "interpret", "tpu" or "tpu_interpret".
 
     Returns:
-      A non-empty tuple of concrete names; more than one only for "auto" on a GPU (kernel, then XLA).
+      A non-empty tuple of concrete names; more than one only for "auto" on a GPU or TPU (kernel, then XLA).
     """
     name = _normalise(implementation, "implementation")
     if name == "auto":
-        name = _normalise(os.environ.get(ENV_VAR), ENV_VAR)
+        name = environment_choice() or "auto"
     if name != "auto":
         return (name,)
-    return IMPLEMENTATIONS if gpu_backend() else ("xla",)
+    return AUTO_ORDER[compile_platform()]
 
 
 def resolved_name(implementation: str | None = "auto") -> str:
@@ -77,25 +93,35 @@ def resolved_name(implementation: str | None = "auto") -> str:
     return resolve(implementation)[0]
 
 
-def choose(implementation: str | None, check: Callable[[], None] | None = None) -> str:
+def choose(implementation: str | None, check: Callable[[], None] | None = None,
+           tpu: bool | Callable[[], None] = False) -> str:
     """Picks the concrete implementation of one call.
 
     Args:
       implementation: as for `resolve`.
-      check: optional callable that raises NotSupported when the kernel cannot handle this call (shapes,
+      check: optional callable that raises NotSupported when the Triton kernel cannot handle this call (shapes,
         dtypes, sizes); "auto" then moves on to the XLA reference, an explicit kernel choice re-raises.
+      tpu: whether the op has a Mosaic TPU kernel (False: "tpu" is not supported), or that kernel's check
+        (a callable as `check`).
 
     Returns:
-      "xla", "pallas" or "interpret".
+      "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the last two only where `tpu` is not False).
     """
     order = resolve(implementation)
     for position, name in enumerate(order):
-        if name == "xla" or check is None:
+        kernel_check = check
+        if name in TPU_IMPLEMENTATIONS:
+            kernel_check = _no_tpu_kernel if tpu is False else (None if tpu is True else tpu)
+        if name == "xla" or kernel_check is None:
             return name
         try:
-            check()
+            kernel_check()
             return name
         except NotSupported:
             if position == len(order) - 1:
                 raise
     raise AssertionError("unreachable: resolve() always returns at least one name")
+
+
+def _no_tpu_kernel() -> None:
+    raise NotSupported("this op has no Mosaic TPU kernel; it runs its XLA reference on TPUs")

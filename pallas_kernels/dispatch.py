@@ -23,6 +23,10 @@ Intended tiling for bandwidth (target: >= 50% of a device copy): 32 rows x 256 b
 (16 KiB in + 16 KiB out, 512-byte contiguous row segments), 4 warps; the grid is (row blocks, column
 blocks) so the row index vectors are tiny and each row segment is one coalesced access.
 
+On TPUs ("tpu" / "tpu_interpret") encode and decode run the Mosaic row-gather kernel of `tpu_dispatch.py`
+(scalar-prefetched index table, one DMA per gathered row; `config` is the Triton tiling and does not apply);
+the row dots of the weight gradients run their XLA reference there.
+
 Backward: encode and decode are each other's transpose (dx = decode(g), ddata = encode(g)), and the weight
 gradients are the row dots, so backward is as cheap as forward and never forms a one-hot.
 """
@@ -37,7 +41,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ._select import choose
+from . import tpu_dispatch
+from .tpu_gmm import sum_to_primal_vma
+from ._select import TPU_IMPLEMENTATIONS, choose, resolved_name
 from ._util import cdiv, check_pow2, col, row, triton_call
 from .targets import current_target, get_target
 
@@ -240,17 +246,21 @@ def _row_dots_kernel_call(a, b, slots, cfg, interpret):
 def _fwd_encode(impl, cfg, x, weights, slots, num_slots):
     if impl == "xla":
         return encode_reference(x, weights, slots, num_slots)
+    if impl in TPU_IMPLEMENTATIONS:
+        return tpu_dispatch.encode_tpu(x, weights, slots, num_slots, interpret=impl == "tpu_interpret")
     return _encode_kernel(x, weights, slots, num_slots, cfg, impl == "interpret")
 
 
 def _fwd_decode(impl, cfg, data, weights, slots):
     if impl == "xla":
         return decode_reference(data, weights, slots)
+    if impl in TPU_IMPLEMENTATIONS:
+        return tpu_dispatch.decode_tpu(data, weights, slots, interpret=impl == "tpu_interpret")
     return _decode_kernel(data, weights, slots, cfg, impl == "interpret")
 
 
 def _row_dots(impl, cfg, a, b, slots):
-    if impl == "xla":
+    if impl == "xla" or impl in TPU_IMPLEMENTATIONS:  # no TPU kernel: XLA's gather + reduce
         return row_dots_reference(a, b, slots)
     return _row_dots_kernel_call(a, b, slots.astype(jnp.int32), cfg, impl == "interpret")
 
@@ -268,7 +278,7 @@ def _encode_vjp_bwd(impl, cfg, num_slots, res, g):
     x, weights, slots = res
     dx = _fwd_decode(impl, cfg, g, weights, slots).astype(x.dtype)
     dw = _row_dots(impl, cfg, x, g, slots).astype(weights.dtype)
-    return dx, dw, None
+    return sum_to_primal_vma(dx, x), sum_to_primal_vma(dw, weights), None
 
 
 _encode.defvjp(_encode_vjp_fwd, _encode_vjp_bwd)
@@ -287,10 +297,17 @@ def _decode_vjp_bwd(impl, cfg, res, g):
     data, weights, slots = res
     ddata = _fwd_encode(impl, cfg, g, weights, slots, data.shape[0]).astype(data.dtype)
     dw = _row_dots(impl, cfg, g, data, slots).astype(weights.dtype)
-    return ddata, dw, None
+    return sum_to_primal_vma(ddata, data), sum_to_primal_vma(dw, weights), None
 
 
 _decode.defvjp(_decode_vjp_fwd, _decode_vjp_bwd)
+
+
+def _tpu_check(implementation, num_slots: int, weights: jax.Array, dtype):
+    """The TPU kernels' check for `choose`; it covers the backward too (encode <-> decode, same tables)."""
+    interpret = resolved_name(implementation) == "tpu_interpret"
+    entries = max(int(num_slots), int(weights.size))
+    return lambda: tpu_dispatch.check_supported(entries, dtype, interpret=interpret)
 
 
 def _check(x: jax.Array, weights: jax.Array, slots: jax.Array, what: str) -> None:
@@ -317,7 +334,7 @@ def encode(
       slots: [k, S] int32 flat slot of each assignment; outside [0, num_slots) means dropped. Slots must be
         distinct (a routing plan guarantees it).
       num_slots: rows of the output (E * C for the capacity buffer).
-      implementation: "auto", "xla", "pallas" or "interpret".
+      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret".
       config: kernel tiling (default: `default_dispatch_config`).
 
     Returns:
@@ -326,7 +343,7 @@ def encode(
     _check(x, weights, slots, "x")
     if weights.shape[1] != x.shape[0]:
         raise ValueError(f"weights [k, S] must match x's S={x.shape[0]}, got {weights.shape}")
-    impl = choose(implementation)
+    impl = choose(implementation, tpu=_tpu_check(implementation, num_slots, weights, x.dtype))
     cfg = config or default_dispatch_config(x.shape[1], x.dtype)
     return _encode(impl, cfg, x, weights, slots, int(num_slots))
 
@@ -345,7 +362,7 @@ def decode(
       data: [num_slots, M] expert outputs.
       weights: [k, S] combine weights.
       slots: [k, S] int32 flat slots; out of range means dropped (contributes zero).
-      implementation: "auto", "xla", "pallas" or "interpret".
+      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret".
       config: kernel tiling (default: `default_dispatch_config`).
 
     Returns:
@@ -353,7 +370,7 @@ def decode(
       float32; the reference, like Tutel, in data's dtype).
     """
     _check(data, weights, slots, "data")
-    impl = choose(implementation)
+    impl = choose(implementation, tpu=_tpu_check(implementation, data.shape[0], weights, data.dtype))
     cfg = config or default_dispatch_config(data.shape[1], data.dtype)
     return _decode(impl, cfg, data, weights, slots)
 

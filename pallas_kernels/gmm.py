@@ -24,6 +24,10 @@ more than the MMA tile shape.
 
 The same kernel body serves the quantized per-expert matmul (`quant_matmul.py`) through a weight-tile loader
 that dequantizes inside the kernel, and the decode case (few rows) through split-K.
+
+On TPUs ("tpu" / "tpu_interpret") both ops run JAX's Mosaic megablox kernels through `tpu_gmm.py` (its own
+tiling rule; `config` / `tgmm_config` are the Triton tilings and do not apply there). The custom VJP is the same
+for every implementation: a call that picked the TPU kernel runs its backward on it as well.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ._select import choose
+from . import tpu_gmm
+from ._select import TPU_IMPLEMENTATIONS, choose, resolved_name
 from ._util import cdiv, check_pow2, col, row, triton_call
 from .targets import current_target
 
@@ -353,12 +358,18 @@ def _gmm_impl(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
     if impl == "xla":
         return gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
                              preferred_element_type=out_dtype).astype(out_dtype)
+    if impl in TPU_IMPLEMENTATIONS:
+        return tpu_gmm.gmm_tpu(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                               interpret=impl == "tpu_interpret")
     return _gmm_kernel_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, impl == "interpret")
 
 
 def _tgmm_impl(impl, tcfg, out_dtype, lhs, grad, group_sizes, num_groups):
     if impl == "xla":
         return tgmm_reference(lhs, grad, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
+    if impl in TPU_IMPLEMENTATIONS:
+        return tpu_gmm.tgmm_tpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype,
+                                interpret=impl == "tpu_interpret")
     return _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, tcfg, impl == "interpret")
 
 
@@ -381,10 +392,17 @@ def _gmm_bwd(impl, cfg, tcfg, transpose_rhs, out_dtype, res, g):
         drhs = _tgmm_impl(impl, tcfg, rhs.dtype, g, lhs, group_sizes, num_groups)
     else:
         drhs = _tgmm_impl(impl, tcfg, rhs.dtype, lhs, g, group_sizes, num_groups)
-    return dlhs, drhs, None
+    # inside shard_map: replicated weights get the sum of the shards' gradients
+    return tpu_gmm.sum_to_primal_vma(dlhs, lhs), tpu_gmm.sum_to_primal_vma(drhs, rhs), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _tpu_check(implementation, *dtypes):
+    """The TPU kernel's NotSupported check for `choose` (the interpreter skips the mesh-partitioning rule)."""
+    interpret = resolved_name(implementation) == "tpu_interpret"
+    return lambda: tpu_gmm.check_supported(*dtypes, interpret=interpret)
 
 
 def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
@@ -416,15 +434,17 @@ def gmm(
       group_sizes: [G] int32 rows per group; rows past their sum give zeros.
       transpose_rhs: rhs is stored [G, N, K].
       preferred_element_type: output dtype (default: the promoted input dtype); accumulation is float32.
-      implementation: "auto", "xla", "pallas" or "interpret".
-      config: forward tiling (default `default_gmm_config`); tgmm_config: the weight-gradient tiling.
+      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the TPU kernel takes
+        float32 / bfloat16 operands and outputs; "auto" falls back to XLA for other dtypes).
+      config: forward tiling (default `default_gmm_config`); tgmm_config: the weight-gradient tiling (Triton).
 
     Returns:
       [T, N].
     """
     _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
-    impl = choose(implementation)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    # the backward runs on the same implementation: its cotangent has out_dtype
+    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, rhs.dtype, out_dtype))
     k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
     cfg = config or default_gmm_config(lhs.shape[0], k_dim, n_dim, rhs.shape[0], lhs.dtype)
     tcfg = tgmm_config or default_tgmm_config(k_dim, n_dim, lhs.dtype)
@@ -453,7 +473,7 @@ def tgmm(
     """
     if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"tgmm needs lhs [T, K] and grad [T, N], got {lhs.shape} and {grad.shape}")
-    impl = choose(implementation)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
+    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype))
     cfg = config or default_tgmm_config(lhs.shape[1], grad.shape[1], lhs.dtype)
     return _tgmm_impl(impl, cfg, out_dtype, lhs, grad, group_sizes.astype(jnp.int32), group_sizes.shape[0])

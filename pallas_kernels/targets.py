@@ -11,10 +11,14 @@ hardware.
 | sm_90 | H100 / H200 | 232,448 bytes (227 KiB opt-in) | hardware |
 | gfx942 | MI300X / MI300A | 65,536 bytes (64 KiB LDS) | hardware |
 
-Which target a trace uses:
+Which platform and target a trace compiles for (`compile_platform`, `current_target`): the devices the program
+is compiled *for*, which on a host compiling for another machine (deviceless, through
+`jax.experimental.topologies`) are not the devices of the host:
 1. an explicit `use_target(name)` context (tests and the offline compile export for each target in turn);
-2. else the default device, when it is a GPU: its compute capability (CUDA) or gfx name (ROCm);
-3. else `DEFAULT_TARGET` (CPU hosts: the interpreter runs the kernels with that target's tiling).
+2. else the mesh in context (`jax.set_mesh`, `jax.sharding.use_abstract_mesh`, inside `shard_map`): the kind of its
+   devices;
+3. else the default device: its compute capability (CUDA) or gfx name (ROCm);
+4. else `DEFAULT_TARGET` (CPU hosts: the interpreter runs the kernels with that target's tiling).
 
 `lowering_context(target)` additionally hands newer JAX (0.11+), which asks the device for its compute capability
 while lowering a Triton kernel, an abstract GPU of that generation, so kernels lower for a GPU on a CPU-only host.
@@ -29,8 +33,11 @@ from typing import Iterator
 
 import jax
 
-__all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "current_target", "use_target", "target_of_device",
-           "lowering_context", "get_target"]
+__all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "PLATFORMS", "current_target", "use_target", "target_of_device",
+           "target_of_kind", "compile_platform", "platform_name", "lowering_context", "get_target"]
+
+#: the platforms a program can be compiled for, as `compile_platform` names them
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +86,35 @@ def get_target(name: str | Target) -> Target:
     return TARGETS[name]
 
 
+def platform_name(platform: str) -> str:
+    """'gpu' for JAX's GPU platform names (gpu, cuda, rocm), 'tpu' for TPUs, 'cpu' for anything else."""
+    platform = str(platform).lower()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "tpu" if platform == "tpu" else "cpu"
+
+
+def target_of_kind(device_kind: str, platform: str = "gpu") -> Target | None:
+    """The target of a GPU by its device kind (what an abstract device of a mesh carries): AMD's gfx / MI parts
+    map to gfx942, Ampere (A100, A10, A30, A40, RTX A-series) to sm_80, newer NVIDIA GPUs to sm_90. None off
+    GPUs."""
+    if platform_name(platform) != "gpu":
+        return None
+    kind = str(device_kind or "")
+    upper = kind.upper()
+    if platform == "rocm" or upper.startswith("GFX") or "MI2" in upper or "MI3" in upper or "AMD" in upper:
+        return TARGETS["gfx942"]
+    if any(tag in upper for tag in (" A100", " A10", " A30", " A40", "RTX A")):
+        return TARGETS["sm_80"]
+    return TARGETS[DEFAULT_TARGET]
+
+
 def target_of_device(device: jax.Device) -> Target | None:
     """The target of a JAX GPU device (None for a CPU or TPU device).
 
     CUDA devices map by compute capability: 9.0 and newer to sm_90, 8.x to sm_80 (8.9 has e4m3 hardware, but the
     bit decoder is exact on it as well). ROCm devices map to gfx942 (the only AMD target; gfx90a shares its LDS
-    size)."""
+    size). A device without a compute capability maps by its kind (`target_of_kind`)."""
     if device.platform not in ("gpu", "cuda", "rocm"):
         return None
     capability = str(getattr(device, "compute_capability", "") or "")
@@ -94,20 +124,56 @@ def target_of_device(device: jax.Device) -> Target | None:
     try:
         major = int(capability.split(".")[0])
     except ValueError:
-        return TARGETS[DEFAULT_TARGET]
+        return target_of_kind(kind, device.platform)
     return TARGETS["sm_90"] if major >= 9 else TARGETS["sm_80"]
 
 
+def _mesh_device() -> tuple[str, str] | None:
+    """(platform, device kind) of the mesh in context, or None when there is none."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # noqa: BLE001 - a JAX without abstract meshes: no mesh context to read
+        return None
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    device = getattr(mesh, "abstract_device", None)
+    if device is None or getattr(device, "platform", None) is None:
+        return None
+    return str(device.platform), str(getattr(device, "device_kind", "") or "")
+
+
+def _default_device() -> jax.Device | None:
+    try:
+        return jax.devices()[0]
+    except RuntimeError:  # no backend at all
+        return None
+
+
+def compile_platform() -> str:
+    """The platform the program being traced is compiled for: 'cpu', 'gpu' or 'tpu'.
+
+    An explicit `use_target` is a GPU; else the mesh in context (a deviceless compile for 8 H100s under
+    `jax.set_mesh(mesh)` is 'gpu' on a CPU host); else the default device. The one place the package reads the
+    platform: "auto" resolves from it, never from `jax.default_backend()`."""
+    if _override.get() is not None:
+        return "gpu"
+    mesh_device = _mesh_device()
+    if mesh_device is not None:
+        return platform_name(mesh_device[0])
+    device = _default_device()
+    return platform_name(device.platform) if device is not None else "cpu"
+
+
 def current_target() -> Target:
-    """The target the kernels are traced for now (see the module docstring for the order)."""
+    """The GPU target the kernels are traced for now (see the module docstring for the order)."""
     name = _override.get()
     if name is not None:
         return TARGETS[name]
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:  # no backend at all
-        return TARGETS[DEFAULT_TARGET]
-    return target_of_device(device) or TARGETS[DEFAULT_TARGET]
+    mesh_device = _mesh_device()
+    if mesh_device is not None:
+        return target_of_kind(mesh_device[1], mesh_device[0]) or TARGETS[DEFAULT_TARGET]
+    device = _default_device()
+    return (target_of_device(device) if device is not None else None) or TARGETS[DEFAULT_TARGET]
 
 
 @contextlib.contextmanager

@@ -88,7 +88,7 @@ def test_environment_variable(monkeypatch):
 
 def test_auto_on_gpu_tries_kernel_then_falls_back(monkeypatch):
     monkeypatch.delenv(pk.ENV_VAR, raising=False)
-    monkeypatch.setattr(_select, "gpu_backend", lambda: True)
+    monkeypatch.setattr(_select, "compile_platform", lambda: "gpu")
     assert pk.resolve("auto") == ("pallas", "xla")
 
     def unsupported():
@@ -112,7 +112,7 @@ def test_environment_selects_the_kernel_for_an_op(monkeypatch):
 
 
 def test_gating_falls_back_for_too_many_experts(monkeypatch):
-    monkeypatch.setattr(_select, "gpu_backend", lambda: True)
+    monkeypatch.setattr(_select, "compile_platform", lambda: "gpu")
     logits = random_normal(0, (4, MAX_KERNEL_EXPERTS + 1))
     jaxpr = str(jax.make_jaxpr(lambda l: pk.gating(l, 2).expert_ids)(logits))
     assert "pallas_call" not in jaxpr

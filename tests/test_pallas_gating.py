@@ -185,7 +185,7 @@ def test_group_layout_limits_the_kernel(monkeypatch):
     """720 experts in 5 groups pad to 8 x 256 columns: past the register tile, so "auto" uses XLA."""
     from pallas_kernels import _select
 
-    monkeypatch.setattr(_select, "gpu_backend", lambda: True)
+    monkeypatch.setattr(_select, "compile_platform", lambda: "gpu")
     logits = random_normal(0, (4, 720))
     fn = lambda l, **kw: pk.gating(l, 2, score_fn="sigmoid", n_group=5, topk_group=2, **kw).expert_ids
     assert "pallas_call" not in str(jax.make_jaxpr(fn)(logits))

@@ -114,7 +114,7 @@ def test_dropless_equals_capacity_path_without_drops(k, postscore, bpr):
     big = float(k * 8)  # capacity k * int(cf * ceil(S/E)) >= k*S: nothing can drop
     (l1, y1), g1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(params, x, big)
     np.testing.assert_allclose(np.asarray(y0), np.asarray(y1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+    np.testing.assert_allclose(float(l0), float(l1), rtol=2e-6)  # a float32 sum over 384 terms
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
 

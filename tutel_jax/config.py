@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
 from .dropless import impl_names, resolve_impl
+from .execution import check_kernel_backend
 from .experts import Experts, as_experts, make_experts
 from .routing.gates import Gate, make_gate
 from .shared_experts import SharedExperts, make_shared_experts
@@ -45,8 +46,9 @@ class MoEConfig:
         gathered weights), 'native' (CPU, SwiGLU experts: one C++ kernel per layer streaming the used experts'
         weights over all cores; the fastest CPU decode), or 'auto' (on CPU loop when k*S <= 32E, else
         bucketed; ragged elsewhere). See `tutel_jax.dropless`.
-      kernel_backend: None (plain XLA), or a `pallas_kernels` implementation ('auto', 'pallas', 'interpret',
-        'xla') for dispatch/combine and, when the experts take it, their grouped matmuls.
+      kernel_backend: the kernels of gating, dispatch/combine and, when the experts take it, their grouped
+        matmuls: None / 'auto' (the default: the kernels of the platform the program is compiled for, plain XLA
+        on CPUs), 'xla', 'pallas', 'interpret', 'tpu' or 'tpu_interpret' (see `tutel_jax.execution`).
     """
 
     model_dim: int
@@ -176,8 +178,7 @@ def make_config(
     if not isinstance(parallel_type, str) or not (parallel_type in ("data", "model") or (
             parallel_type.startswith("adaptive:") and parallel_type[9:].isdigit())):
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data' or 'model', got {parallel_type!r}")
-    if kernel_backend not in (None, "auto", "pallas", "interpret", "xla"):
-        raise ValueError(f"kernel_backend must be None, 'auto', 'pallas', 'interpret' or 'xla', got {kernel_backend!r}")
+    kernel_backend = check_kernel_backend(kernel_backend)
     if kernel_backend is not None and expert_net.kernel_backend is None:
         expert_net = expert_net.with_kernel_backend(kernel_backend)  # grouped matmuls too
     if dropless_impl not in impl_names():

@@ -19,6 +19,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+
+from . import execution
 from .routing.plan import RoutingPlan
 
 __all__ = [
@@ -173,10 +176,11 @@ def assignment_weights(plan: RoutingPlan, is_postscore: bool = True) -> tuple[ja
 
 
 def _kernel_op(name: str, backend: str | None, top_k: int):
-    """The pallas_kernels version of an op when a backend is asked for (None: this module's XLA version)."""
+    """The pallas_kernels version of an op when `backend` resolves to kernels (`execution.kernels`: the
+    platform's kernels by default), else None (this module's XLA version)."""
+    backend = execution.kernels(backend)
     if backend is None or top_k >= SLOT_MAJOR_MIN_K:
         return None
-    import pallas_kernels  # kernels are optional at import time; loaded only when asked for
     op = getattr(pallas_kernels, name)
     return lambda *args: op(*args, implementation=backend)
 
@@ -187,7 +191,8 @@ def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True, back
 
     With `is_postscore` tokens are copied as they are (weights applied at decode); otherwise each is scaled by
     its gate weight. Computed in the gate's dtype, like Tutel; the caller casts back. `backend` selects the
-    `pallas_kernels` implementation ('auto', 'pallas', 'interpret', 'xla'); None uses this module's gathers.
+    `pallas_kernels` implementation (see `execution.kernels`: None / 'auto' is the compile platform's kernels,
+    'xla' this module's gathers).
     """
     cap = plan.buffer_capacity
     slots = buffer_slots(plan)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from . import execution
 from .routing.plan import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
@@ -151,7 +152,7 @@ def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int,
     to the ragged path, when an [E, S, M] buffer of `row_bytes`-byte rows is at most CPU_FULL_BUFFER_BYTES
     (e.g. the prefill of a short prompt whose tokens crowd onto a few experts)."""
     caps = tuple(capacities)
-    if (jax.default_backend() != "cpu" or caps[-1] >= num_tokens
+    if (execution.platform() != "cpu" or caps[-1] >= num_tokens
             or num_experts * num_tokens * row_bytes > CPU_FULL_BUFFER_BYTES):
         return caps
     return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
@@ -171,7 +172,7 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
     skipped), else 'bucketed' when
     the experts have `grouped` (for the overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
-        if jax.default_backend() != "cpu":
+        if execution.platform() != "cpu":
             return "ragged"
         if getattr(experts, "weight_format", None) is not None and experts.supports("grouped"):
             return "native" if native_available(experts) else "loop"
@@ -195,8 +196,9 @@ def check_native(experts: Any) -> None:
     method: SwiGLU with silu or GPT-OSS, float or packed), and `native.NativeKernelError` when the kernel cannot
     be built (it is compiled here on first use)."""
     from .native.moe import ensure_registered
-    if jax.default_backend() != "cpu":
-        raise ValueError(f"dropless_impl='native' is a CPU kernel; the default backend is {jax.default_backend()!r}")
+    if execution.platform() != "cpu":
+        raise ValueError(f"dropless_impl='native' is a CPU kernel; this program is compiled for "
+                         f"{execution.platform()!r}")
     if not experts.supports("native"):
         raise ValueError(f"dropless_impl='native' runs SwiGLU (silu) or GPT-OSS experts, float or packed; got "
                          f"{experts.type_name}")

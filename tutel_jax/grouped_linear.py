@@ -21,10 +21,10 @@ change the kernels and the checkpoint mapping. This module hides the difference,
 (`experts.FFNExperts`, `LlamaFFNExperts`, `experts_glu.SwiGLUExperts`, `GptOssExperts`) is written once over
 `Batched` / `Grouped` / `Gathered` (each a `linear(x, w)` and a per-row `bias(b, dtype)`).
 
-Backends: `grouped_linear` runs float weights through `lax.ragged_dot` (backend None) or
-`pallas_kernels.gmm(implementation=backend)` ("auto", "pallas", "interpret", "xla"), and packed weights through
-`pallas_kernels.quant_gmm` (backend None means "auto": the kernel on a GPU, the float32 XLA reference
-elsewhere). The native CPU kernel takes a whole SwiGLU layer (`tutel_jax.native.moe_swiglu`) and is chosen as
+Backends: `backend` resolves through `execution.kernels` (None / "auto": the kernels of the platform the program
+is compiled for; "xla": plain XLA): `grouped_linear` runs float weights through `pallas_kernels.gmm` or, for plain
+XLA, `lax.ragged_dot`, and packed weights through `pallas_kernels.quant_gmm` (its kernel, or its float32 XLA
+reference). The native CPU kernel takes a whole SwiGLU layer (`tutel_jax.native.moe_swiglu`) and is chosen as
 `dropless_impl='native'` for float SwiGLU experts. `batched_linear` / `gathered_linear` dequantize packed weights
 in XLA. Packed weights are for inference: the kernels have no VJP.
 """
@@ -36,7 +36,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import quant_weights
+import pallas_kernels
+
+from . import execution, quant_weights
 from .dispatch import group_row_experts
 
 __all__ = ["batched_linear", "grouped_linear", "gathered_linear", "Batched", "Grouped", "Gathered", "Mode"]
@@ -60,15 +62,14 @@ def grouped_linear(x: jax.Array, w: Any, group_sizes: jax.Array, backend: str | 
                    out_in: bool = False) -> jax.Array:
     """x [R, K] with rows sorted by expert (group_sizes [E] rows each) -> [R, N]; rows past sum(group_sizes)
     come out as zeros."""
+    backend = execution.kernels(backend)  # the compile platform's kernels unless set
     if quant_weights.is_quantized(w):
-        from pallas_kernels import quant_gmm  # lazy: float models do not need the kernels package
-        return quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype,
-                         implementation="auto" if backend is None else backend)
+        return pallas_kernels.quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype,
+                                        implementation="xla" if backend is None else backend)
     w = jnp.swapaxes(w, 1, 2) if out_in else _kernel_view(w)
     if backend is None:
         return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
-    from pallas_kernels import gmm  # lazy: the default path does not need the kernels package
-    return gmm(x, w.astype(x.dtype), group_sizes, implementation=backend)
+    return pallas_kernels.gmm(x, w.astype(x.dtype), group_sizes, implementation=backend)
 
 
 def gathered_linear(x: jax.Array, w: Any, expert_ids: jax.Array, *, out_in: bool = False) -> jax.Array:

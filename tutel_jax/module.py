@@ -71,8 +71,9 @@ class MoE(nnx.Module):
     parallelism; E = count_per_node x expert-axis size), seeds (gate seed, expert seed, noise seed),
     a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
     parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds),
-    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`), kernel_backend (None = plain XLA, or
-    a `pallas_kernels` implementation 'auto' | 'pallas' | 'interpret' | 'xla' for dispatch and grouped matmuls).
+    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`), kernel_backend (None / 'auto': the kernels
+    of the platform the program is compiled for, plain XLA on CPUs; 'xla' | 'pallas' | 'interpret' | 'tpu' |
+    'tpu_interpret': that implementation; see `tutel_jax.execution`).
     Modern routers ('mixtral', 'qwen3_moe', 'deepseek_v3', 'gpt_oss', 'switch', 'expert_choice') and experts
     ('swiglu', 'gpt_oss', with `'shared': {...}` shared experts) plug in through gate_type / experts; a DeepSeek
     gate's `e_score_correction_bias` is a `RouterState` (not an `nnx.Param`): see `update_correction_bias`.

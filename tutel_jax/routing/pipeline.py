@@ -30,6 +30,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+
+from .. import execution
 from ..losses import (gshard_loss, load_importance_loss, router_z_loss, sequence_aux_loss, switch_load_loss)
 from .gates import PLAN, SELECT, TUTEL, Gate, as_gate
 from .plan import RoutingPlan, plan_from_choices, top_k_routing
@@ -93,6 +96,7 @@ def route_tokens(
     else:
         if kind == TUTEL:
             scores = jax.nn.softmax(noisy, axis=1)
+        kernel_backend = execution.kernels(kernel_backend)  # the compile platform's kernels unless set
         spec = _kernel_spec(gate, gate_params, top_k, num_experts, normalize_gate=normalize_gate,
                             batch_prioritized_routing=batch_prioritized_routing, kernel_backend=kernel_backend,
                             valid=valid)
@@ -215,7 +219,6 @@ def kernel_choices(
       (choices: expert_ids [k, S] from the kernel, weights and probs from `choices_for_ids`; slots:
       (locations [k, S], counts [E]) in Tutel's order, for `plan_from_choices`).
     """
-    import pallas_kernels
     fused = pallas_kernels.gating(jax.lax.stop_gradient(logits), top_k, **spec, implementation=kernel_backend)
     ids, locations, counts = jax.lax.stop_gradient((fused.expert_ids, fused.locations, fused.counts))
     choices = choices_for_ids(ids)
