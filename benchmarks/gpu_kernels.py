@@ -3,8 +3,8 @@
     python benchmarks/gpu_kernels.py [--out benchmarks/results/gpu_kernels.json] [--quick] [--seed N]
     python benchmarks/gpu_kernels.py --dry-run     # CPU: tiny shapes, kernels in Pallas interpret mode
 
-One command, meant to finish well under 8 minutes on one H100/H200 (estimated, not yet run on a GPU: most of the
-time is compiling ~50 kernels and references); inputs total about 1.5 GB.
+One command, well under 8 minutes on one H200 (its checks and timings ran inside benchmarks/gpu_check.py there:
+most of the time is compiling ~50 kernels and references); inputs total about 1.5 GB.
 1. Ceilings measured on this device: a large dense bf16 matmul (TFLOP/s) and a large elementwise copy
    (GB/s, bytes read + written).
 2. Checks: every kernel (gating, slot positions, encode, decode, their VJPs, permute/unpermute, gmm and its
