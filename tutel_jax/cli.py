@@ -12,10 +12,11 @@ from .cli_args import SPELLING_NOTE
 COMMANDS = {
     "serve": "OpenAI-compatible HTTP server for a checkpoint (continuous batching, streaming)",
     "generate": "generate from token-id or text prompts, streamed or not, and report the throughput",
+    "compile": "compile a model for a GPU / TPU target on this host: memory per device, fit, roofline",
 }
 
 HELP = "\n".join([
-    "usage: tutel-jax {serve,generate} CHECKPOINT [options]",
+    "usage: tutel-jax {serve,generate,compile} CHECKPOINT [options]",
     "",
     "Mixture-of-Experts models (Hugging Face MoE checkpoints) with tutel-jax.",
     "",
@@ -47,8 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         if command == "generate":
             from .serving.generate_cli import main as generate
             return generate(rest) or 0
+        if command == "compile":
+            from .compile.cli import main as compile_main
+            return compile_main(rest)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, OSError) as e:  # bad input a command did not report itself: still one line, exit 2
+        print(f"tutel-jax {command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     return _error(f"unknown command {command!r}: choose from {', '.join(COMMANDS)} (tutel-jax --help)")
 
 
