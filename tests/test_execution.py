@@ -115,3 +115,41 @@ def test_cpu_default_is_unchanged_numerically():
     a = jax.jit(lambda p, x: moe_apply(p, x, default)[0])(params, x)
     b = jax.jit(lambda p, x: moe_apply(p, x, plain)[0])(params, x)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_execution_record_validates_every_knob():
+    ok = execution.Execution(kernel_backend="pallas", dropless_impl="loop", dense_impl="native",
+                             dropless_exchange="ragged", per_layer_jit=True, a2a_ffn_overlap_degree=2,
+                             use_2dh=False, adaptive_r=0)
+    assert ok.set_fields()["adaptive_r"] == 0 and ok.set_fields()["use_2dh"] is False
+    for field, bad in [("kernel_backend", "cuda"), ("dropless_impl", "fast"), ("dense_impl", "blas"),
+                       ("dropless_exchange", "magic"), ("per_layer_jit", "yes"), ("a2a_ffn_overlap_degree", 0),
+                       ("a2a_ffn_overlap_degree", True), ("adaptive_r", -1), ("use_2dh", "on")]:
+        with pytest.raises(ValueError, match=field):
+            execution.Execution(**{field: bad})
+
+
+def test_execution_precedence_is_field_by_field():
+    call = execution.Execution(dropless_impl="loop", kernel_backend="auto")
+    runtime = execution.Execution(kernel_backend="xla", a2a_ffn_overlap_degree=2)
+    config = execution.Execution(dropless_impl="ragged", kernel_backend="pallas", use_2dh=True)
+    merged = call.over(runtime, config)
+    assert merged == execution.Execution(dropless_impl="loop", kernel_backend="xla", a2a_ffn_overlap_degree=2,
+                                         use_2dh=True)
+    assert execution.Execution().over() == execution.Execution()
+
+
+def test_every_command_gets_the_same_flags():
+    import argparse
+    parser = argparse.ArgumentParser()
+    execution.add_arguments(parser)
+    args = parser.parse_args(["--kernel-backend", "xla", "--per-layer-jit", "off", "--a2a-overlap-degree", "4",
+                              "--use-2dh", "on", "--adaptive-r", "0", "--dropless-exchange", "padded"])
+    got = execution.from_arguments(args)
+    assert got == execution.Execution(kernel_backend="xla", per_layer_jit=False, a2a_ffn_overlap_degree=4,
+                                      use_2dh=True, adaptive_r=0, dropless_exchange="padded")
+    with pytest.raises(ValueError, match="--dropless-exchange does not apply"):  # the first one set, in order
+        execution.from_arguments(args, allowed=("kernel_backend", "per_layer_jit"))
+    for flag, bad in [("--use-2dh", "maybe"), ("--adaptive-r", "x"), ("--kernel-backend", "cuda")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, bad])
