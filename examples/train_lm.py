@@ -36,10 +36,14 @@ from typing import Any, Iterator, Sequence
 if __package__ in (None, ""):  # run as a script: make `tutel_jax` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tutel_jax import execution  # noqa: E402
 from tutel_jax.cli_args import finite_float, int_at_least, positive_float, set_host_device_count  # noqa: E402
 
 DEFAULT_DEVICES = 8
 DEFAULT_AUTOTUNE = "ep=8; ep=8,d=2; node=2,local=4; ep=8,r=0; ep=4,dp=2"
+#: the execution knobs training applies: the kernels (runtime level), and the layout switches of the runtime
+RUNTIME_KNOBS = ("dropless_impl", "a2a_ffn_overlap_degree", "use_2dh", "adaptive_r")
+TRAIN_KNOBS = ("kernel_backend", *RUNTIME_KNOBS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    execution.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        execution.from_arguments(args, allowed=TRAIN_KNOBS)
+    except ValueError as e:
+        parser.error(str(e))
     if args.devices % args.num_processes:
         parser.error(f"--devices {args.devices} must divide over --num-processes {args.num_processes}")
     if args.resume and args.ckpt_dir is None:
@@ -224,6 +233,8 @@ class LMRun:
             RuntimeConfig.ep(1, data=num_devices) if args.dense else RuntimeConfig.ep(num_devices))
         if runtime.capacity_factor is None:
             runtime = runtime.replace(capacity_factor=args.capacity_factor)
+        knobs = execution.from_arguments(args, allowed=TRAIN_KNOBS).set_fields()  # flags beat --runtime's text
+        runtime = runtime.replace(**{k: v for k, v in knobs.items() if k in RUNTIME_KNOBS})
         if runtime.num_devices != num_devices:
             raise ValueError(f"--runtime {runtime.describe()} uses {runtime.num_devices} devices, but there are "
                              f"{num_devices}")
@@ -464,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=120)
     try:
-        run(args)
+        with execution.use_kernels(execution.from_arguments(args).kernel_backend):  # the runtime level
+            run(args)
     except (ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

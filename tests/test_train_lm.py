@@ -143,3 +143,14 @@ def test_export_loads_generates_and_serves(runs, tmp_path):
         reply = httpx.post(base + "/v1/completions", json={"prompt": "def ", "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200, reply.text
         assert isinstance(reply.json()["choices"][0]["text"], str)
+
+
+def test_execution_flags_reach_the_runtime(train_lm, tmp_path):
+    """The shared execution flags: layout switches override --runtime's text; kernels are the runtime level;
+    a knob training cannot apply is refused by name."""
+    args = train_lm.parse_args(TINY + ["--steps", "1", "--runtime", "ep=8,d=1", "--a2a-overlap-degree", "2",
+                                       "--adaptive-r", "0", "--kernel-backend", "xla"])
+    run = train_lm.LMRun(args, say=lambda text: None)
+    assert run.trainer.runtime.a2a_ffn_overlap_degree == 2 and run.trainer.runtime.adaptive_r == 0
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(TINY + ["--per-layer-jit", "on"])
