@@ -1,12 +1,13 @@
 """Checkpoints: Tutel torch.save files (read/written without torch), per-rank files, orbax, safetensors."""
 
 from .torch_zip import load_torch_file, save_torch_file, CheckpointFormatError, UnsafeCheckpointError
+from .paths import resolve_inside
 from .safetensors_io import NonFiniteTensorError
 from .distributed import (gather_state_dicts, load_tutel_rank_files, load_tutel_rank_files_as_params, rank_path,
                           save_tutel_rank_files, save_tutel_state_dict_rank_files, scatter_state_dict)
 
 __all__ = ["load_torch_file", "save_torch_file", "CheckpointFormatError", "UnsafeCheckpointError",
-           "NonFiniteTensorError",
+           "NonFiniteTensorError", "resolve_inside",
            "gather_state_dicts", "load_tutel_rank_files", "load_tutel_rank_files_as_params", "rank_path",
            "save_tutel_rank_files", "save_tutel_state_dict_rank_files", "scatter_state_dict",
            "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps"]

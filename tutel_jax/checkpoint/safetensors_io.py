@@ -6,9 +6,14 @@ format is simple enough to read directly:
     [8 bytes: little-endian u64 N] [N bytes: JSON header] [data bytes]
 
 The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the start
-of the data section) plus an optional "__metadata__" {str: str}. Every header entry is validated before any
-tensor is read: header size, dtype, shape, offsets inside the file, byte count == prod(shape) * itemsize, and
-no two tensors overlapping. Errors are `ValueError`s naming the file (and the tensor).
+of the data section) plus an optional "__metadata__" {str: str}. A checkpoint is untrusted input, so every
+header entry is validated before any tensor is read: header size (<= 100 MB, the reference limit), nesting
+(checked before parsing), no key twice, exactly those three fields, a known dtype, a shape of at most 64
+non-negative integers, offsets inside the file, byte count == prod(shape) * bits / 8 (sub-byte dtypes F4 /
+F6_* included: they are validated but not readable as arrays), and no two tensors overlapping. A sharded
+checkpoint's index must map tensor names (str) to shard file names (str) that stay inside the checkpoint
+directory (`paths.resolve_inside`), every mapped tensor must be in its shard, and no tensor may be in two shards.
+Errors are `ValueError`s naming the file (and the tensor).
 
 With `check_finite=True` (what `models.from_pretrained` passes by default) every tensor is checked for
 non-finite values as it is read, chunk by chunk while it is copied out of the mmap (no extra full-size
@@ -23,7 +28,7 @@ raises `NonFiniteTensorError` (a `CheckpointFormatError`, so a `ValueError`) nam
 
 from __future__ import annotations
 
-import json
+import math
 import mmap
 import os
 import struct
@@ -34,6 +39,8 @@ import ml_dtypes
 import numpy as np
 
 from ..host_memory import empty_aligned
+from ..validation import load_json
+from .paths import resolve_inside
 from .torch_zip import CheckpointFormatError
 
 __all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint", "NonFiniteTensorError",
@@ -45,10 +52,16 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "U8": np.dtype("u1"), "I8": np.dtype("i1"), "I16": np.dtype("<i2"), "I32": np.dtype("<i4"),
     "I64": np.dtype("<i8"), "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8"),
-    "BOOL": np.dtype("?"),
+    "BOOL": np.dtype("?"), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
-_DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+#: bits per element of every dtype a header may declare: the readable DTYPES, and the packed sub-byte floats
+#: (validated, but `get` refuses them: NumPy has no packed 4- or 6-bit arrays)
+DTYPE_BITS: dict[str, int] = {**{code: dt.itemsize * 8 for code, dt in DTYPES.items()},
+                              "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_INDEX_BYTES = 100 * 1024 * 1024  # an index lists every tensor once: far less than its shards' headers
+MAX_RANK = 64  # NumPy's limit on array dimensions
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _CHECK_CHUNK_BYTES = 1 << 20  # the finite check copies and checks this much at a time (stays in cache)
 
 
@@ -151,15 +164,14 @@ class SafetensorsFile(Mapping):
             raise self._error(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt file?)")
         if 8 + n > size:
             raise self._error(f"truncated: header length {n} but the file has only {size - 8} bytes after it")
-        try:
-            header = json.loads(bytes(self._mm[8:8 + n]).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._error(f"header is not valid UTF-8 JSON ({e})") from None
+        # bounded parse: nesting checked first, a key twice refused (ValueError naming the file)
+        header = load_json(self._mm[8:8 + n], f"{self.path}: header")
         if not isinstance(header, dict):
-            raise self._error("header must be a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
+            raise self._error(f"header must be a JSON object, got {type(header).__name__}")
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise self._error("__metadata__ must be an object of strings")
+            raise self._error("__metadata__ must be an object of strings (str -> str)")
         data_start, data_size = 8 + n, size - 8 - n
         entries, spans = {}, []
         for name, info in header.items():
@@ -174,27 +186,33 @@ class SafetensorsFile(Mapping):
     def _check_entry(self, name: str, info, data_start: int, data_size: int):
         where = f"tensor {name!r}"
         if not isinstance(info, dict):
-            raise self._error(f"{where}: header entry must be an object")
-        dtype = info.get("dtype")
-        if dtype not in DTYPES:
-            raise self._error(f"{where}: unsupported dtype {dtype!r} (known: {sorted(DTYPES)})")
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise self._error(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+            raise self._error(f"{where}: header entry must be an object, got {type(info).__name__}")
+        if set(info) != _ENTRY_FIELDS:
+            raise self._error(f"{where}: header entry must have exactly the fields {sorted(_ENTRY_FIELDS)}, "
+                              f"got {sorted(info)!r:.200}")
+        dtype = info["dtype"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            raise self._error(f"{where}: unsupported dtype {dtype!r:.80} (known: {sorted(DTYPE_BITS)})")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if (not isinstance(shape, list) or len(shape) > MAX_RANK
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise self._error(f"{where}: shape must be a list of at most {MAX_RANK} non-negative integers, "
+                              f"got {shape!r:.200}")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise self._error(f"{where}: data_offsets must be [begin, end] integers, got {offsets!r}")
+            raise self._error(f"{where}: data_offsets must be [begin, end] integers, got {offsets!r:.200}")
         begin, end = offsets
         if not 0 <= begin <= end:
             raise self._error(f"{where}: bad data_offsets {offsets}")
         if end > data_size:
             raise self._error(f"{where}: truncated file: data_offsets end {end} beyond the {data_size}-byte "
                               "data section")
-        want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-        if end - begin != want:
-            raise self._error(f"{where}: {end - begin} data bytes but shape {shape} x {dtype} needs {want}")
-        return DTYPES[dtype], tuple(shape), data_start + begin, data_start + end
+        bits = math.prod(shape) * DTYPE_BITS[dtype]  # exact Python ints: no int64 overflow
+        if bits % 8:
+            raise self._error(f"{where}: shape {shape} x {dtype} is {bits} bits, not a whole number of bytes")
+        if end - begin != bits // 8:
+            raise self._error(f"{where}: {end - begin} data bytes but shape {shape} x {dtype} needs {bits // 8}")
+        return dtype, tuple(shape), data_start + begin, data_start + end
 
     def keys(self):
         return self._entries.keys()
@@ -213,7 +231,19 @@ class SafetensorsFile(Mapping):
         return self.get(name)
 
     def dtype(self, name: str) -> np.dtype:
-        return self._entry(name)[0]
+        return self._readable_dtype(name, self._entry(name)[0])
+
+    def _readable_dtype(self, name: str, code: str) -> np.dtype:
+        """The NumPy dtype of a tensor's dtype code; ValueError naming the tensor for a packed sub-byte one."""
+        if code not in DTYPES:
+            raise self._error(f"tensor {name!r}: dtype {code} packs several values per byte and cannot be read "
+                              "as a NumPy array")
+        return DTYPES[code]
+
+    def nbytes(self, name: str) -> int:
+        """The data bytes of tensor `name`, from the header (nothing is read)."""
+        _, _, begin, end = self._entry(name)
+        return end - begin
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[1]
@@ -231,7 +261,8 @@ class SafetensorsFile(Mapping):
             return default
         if self._mm is None:
             raise self._error("file is closed")
-        dtype, shape, begin, end = self._entries[name]
+        code, shape, begin, end = self._entries[name]
+        dtype = self._readable_dtype(name, code)
         n = (end - begin) // dtype.itemsize
         src = np.frombuffer(self._mm, dtype=dtype, count=n, offset=begin)
         rule = _nonfinite_rule(name, dtype) if self.check_finite else None
@@ -263,8 +294,8 @@ class SafetensorsFile(Mapping):
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype code, shape) of tensor `name` from the header (nothing is read)."""
-        dtype, shape, _, _ = self._entry(name)
-        return _DTYPE_CODES[dtype], shape
+        code, shape, _, _ = self._entry(name)
+        return code, shape
 
     def close(self) -> None:
         if getattr(self, "_mm", None) is not None:
@@ -314,6 +345,14 @@ class Checkpoint(Mapping):
         f = self._files[self._where[name]]
         return f.info(name) + (f.path,)
 
+    def nbytes(self, name: str | None = None) -> int:
+        """The data bytes of tensor `name`, or of every tensor (None), from the headers (nothing is read)."""
+        if name is not None:
+            if name not in self._where:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return self._files[self._where[name]].nbytes(name)
+        return sum(self._files[shard].nbytes(n) for n, shard in self._where.items())
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -335,20 +374,58 @@ def open_checkpoint(path: str | os.PathLike, *, check_finite: bool = False) -> C
         return Checkpoint({f.path.name: f}, {k: f.path.name for k in f.keys()})
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        files = {}
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).is_file():
+        weight_map = _read_weight_map(index)
+        # every shard name stays inside the checkpoint directory before any file is opened
+        shards = {shard: resolve_inside(path, shard, f"{index}: weight_map shard")
+                  for shard in sorted(set(weight_map.values()))}
+        for shard, shard_path in shards.items():
+            if not shard_path.is_file():
                 raise ValueError(f"{index}: shard {shard!r} is missing from {path}")
-            files[shard] = SafetensorsFile(path / shard, check_finite=check_finite)
-        for name, shard in weight_map.items():
-            if name not in files[shard]:
-                raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, which does not hold it")
+        files: dict[str, SafetensorsFile] = {}
+        try:
+            for shard, shard_path in shards.items():
+                files[shard] = SafetensorsFile(shard_path, check_finite=check_finite)
+            _check_shards(index, files, weight_map)
+        except BaseException:
+            for f in files.values():
+                f.close()
+            raise
         return Checkpoint(files, weight_map)
     single = path / "model.safetensors"
     if single.is_file():
         return open_checkpoint(single, check_finite=check_finite)
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a safetensors index file: a JSON object of tensor name (str) -> shard file name
+    (non-empty str). ValueError naming the index otherwise (its size is checked before it is read)."""
+    size = index.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise ValueError(f"{index}: {size} bytes exceed the {MAX_INDEX_BYTES}-byte limit of a safetensors index")
+    data = load_json(index.read_bytes(), str(index))
+    if not isinstance(data, dict) or "weight_map" not in data:
+        raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object)")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map must be an object of tensor name -> shard file name, got "
+                         f"{type(weight_map).__name__}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise ValueError(f"{index}: weight_map[{name!r:.200}] must be a shard file name (a non-empty "
+                             f"string), got {shard!r:.80}")
+    return weight_map
+
+
+def _check_shards(index: Path, files: Mapping[str, SafetensorsFile], weight_map: Mapping[str, str]) -> None:
+    """ValueError naming the index, the tensor and the files: a tensor held by two shards (which one would be
+    read?), or a tensor of weight_map that its shard does not hold."""
+    owner: dict[str, str] = {}
+    for shard, f in files.items():
+        for name in f.keys():
+            other = owner.setdefault(name, shard)
+            if other != shard:
+                raise ValueError(f"{index}: tensor {name!r} is in two shards, {other!r} and {shard!r}")
+    for name, shard in weight_map.items():
+        if name not in files[shard]:
+            raise ValueError(f"{index}: tensor {name!r} is mapped to {shard!r}, which does not hold it")

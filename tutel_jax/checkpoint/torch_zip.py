@@ -13,6 +13,16 @@ under one top folder (the file stem, e.g. ``state_dict/``):
 :func:`load_torch_file` unpickles ``data.pkl`` with a restricted unpickler that
 only resolves the handful of globals a state dict needs, so no code from the
 file is ever executed, and returns a flat ``dict[str, np.ndarray]``.
+
+The file is untrusted input, so what it can make the reader allocate is bounded
+(limits in ``torch_zip_format``): every zip entry is read in chunks within its
+declared size, a compressed entry may expand at most ``MAX_EXPANSION_RATIO``
+times (checked from the zip directory before it is inflated; the archive as a
+whole likewise), a storage entry must hold exactly the bytes its persistent id
+declares, and ``data.pkl`` is scanned opcode by opcode before it is unpickled:
+memo indices, stack size and MARK nesting are bounded, so that a crafted
+pickle cannot ask for a huge memo or stack. The unpickled object may nest at
+most ``MAX_NESTING`` levels (cycles included). Errors name the zip entry.
 :func:`save_torch_file` writes the same layout (uncompressed, 64-byte aligned
 records, like torch) so that ``torch.load(path, weights_only=True)`` reads it
 back as an ``OrderedDict[str, Tensor]``.
@@ -21,8 +31,10 @@ back as an ``OrderedDict[str, Tensor]``.
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import zipfile
@@ -50,7 +62,8 @@ class UnsafeCheckpointError(ValueError):
     """The checkpoint's pickle references a global outside the allow-list."""
 
 
-from .torch_zip_format import _STORAGE_DTYPES
+from .torch_zip_format import (_STORAGE_DTYPES, EXPANSION_FLOOR_BYTES, MAX_EXPANSION_RATIO, MAX_NESTING,
+                                MAX_PICKLE_BYTES, MAX_PICKLE_MARKS, MAX_PICKLE_STACK)
 
 
 class _FormatProblem(Exception):
@@ -187,12 +200,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return _StorageRef(key, storage_type.dtype, numel)
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+def _flatten(obj: Any, prefix: str, out: dict[str, Any], depth: int = 0) -> None:
     """Flatten nested dicts/lists into ``out`` with '.'-joined keys.
 
     Leaves kept: tensors, and ints/floats/bools (as 0-d arrays). ``None``,
-    strings and bytes are skipped: they carry no weights.
+    strings and bytes are skipped: they carry no weights. Nesting deeper than
+    ``MAX_NESTING`` (a cyclic container, too, which pickle can build) is
+    refused instead of recursing without bound.
     """
+    if depth > MAX_NESTING and isinstance(obj, (dict, list, tuple)):
+        raise _FormatProblem(f"data.pkl nests containers deeper than {MAX_NESTING} levels (or in a cycle) "
+                             f"under {prefix[:200]!r}")
     if isinstance(obj, dict):
         # dict.items, not obj.items: an unpickled BUILD may shadow attributes.
         items: Iterator[tuple[Any, Any]] = iter(dict.items(obj))
@@ -205,7 +223,7 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
         # int keys occur in optimizer state ({0: {...}}); torch module names are str.
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise _FormatProblem(f"key {key!r:.100} under {prefix or '<top level>'!r} is not a string")
-        _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+        _flatten(value, f"{prefix}.{key}" if prefix else str(key), out, depth + 1)
 
 
 def _add_leaf(value: Any, key: str, out: dict[str, Any]) -> None:
@@ -237,10 +255,10 @@ def _find_top_folder(zf: zipfile.ZipFile) -> str:
     return tops[0]
 
 
-def _check_byteorder(zf: zipfile.ZipFile, top: str) -> None:
+def _check_byteorder(reader: _EntryReader, top: str) -> None:
     """Refuse big-endian archives (only written by torch on big-endian hosts)."""
     try:
-        raw = zf.read(f"{top}/byteorder")
+        raw = reader.read(f"{top}/byteorder", max_bytes=16)
     except KeyError:
         return  # torch < 1.12 wrote no byteorder record; those files are little-endian
     order = raw.decode("ascii", errors="replace").strip()
@@ -250,18 +268,15 @@ def _check_byteorder(zf: zipfile.ZipFile, top: str) -> None:
         raise _FormatProblem(f"unknown byteorder record {order!r}")
 
 
-def _storage_array(zf: zipfile.ZipFile, top: str, ref: _StorageRef) -> np.ndarray:
-    """Read one storage's bytes as a flat read-only array of its dtype."""
+def _storage_array(reader: _EntryReader, top: str, ref: _StorageRef) -> np.ndarray:
+    """Read one storage's bytes as a flat array of its dtype (its entry must hold exactly numel elements)."""
     name = f"{top}/data/{ref.key}"
+    itemsize = ref.dtype.itemsize
     try:
-        raw = zf.read(name)
+        raw = reader.read(name, exact=ref.numel * itemsize,
+                          what=f"{ref.numel} x {itemsize}-byte {ref.dtype} elements")
     except KeyError:
         raise _FormatProblem(f"storage {ref.key!r} is referenced by data.pkl but entry {name!r} is missing") from None
-    itemsize = ref.dtype.itemsize
-    if len(raw) % itemsize or len(raw) < ref.numel * itemsize:
-        raise _FormatProblem(
-            f"storage entry {name!r} has {len(raw)} bytes, expected {ref.numel} x {itemsize}-byte {ref.dtype} elements"
-        )
     if ref.dtype == np.bool_:
         # torch writes 0/1 bytes; normalise anything else instead of making odd bools.
         return np.frombuffer(raw, dtype=np.uint8) != 0
@@ -313,7 +328,7 @@ def _materialize(flat: np.ndarray, record: _TensorRecord, key: str, allow_expand
     return np.array(view, dtype=dtype, order="C", copy=True)
 
 
-def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any],
+def _materialize_all(reader: _EntryReader, top: str, leaves: dict[str, Any],
                      allow_expanding_views: bool = False) -> dict[str, np.ndarray]:
     """Turn tensor records into arrays, reading each storage once and then dropping it."""
     by_storage: dict[str, list[str]] = collections.defaultdict(list)
@@ -322,7 +337,7 @@ def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any],
             by_storage[leaf.storage.key].append(key)
     arrays: dict[str, np.ndarray] = {}
     for keys in by_storage.values():
-        flat = _storage_array(zf, top, leaves[keys[0]].storage)
+        flat = _storage_array(reader, top, leaves[keys[0]].storage)
         for key in keys:
             record = leaves[key]
             if record.storage.dtype != leaves[keys[0]].storage.dtype:
@@ -336,14 +351,110 @@ def _materialize_all(zf: zipfile.ZipFile, top: str, leaves: dict[str, Any],
 def _read_checkpoint(zf: zipfile.ZipFile, path: str, allow_expanding_views: bool = False) -> dict[str, np.ndarray]:
     """Unpickle ``data.pkl`` safely and materialise every tensor."""
     top = _find_top_folder(zf)
-    _check_byteorder(zf, top)
-    with zf.open(f"{top}/data.pkl") as pkl:
-        obj = _RestrictedUnpickler(pkl, path).load()
-    if not isinstance(obj, dict):
-        raise _FormatProblem(f"data.pkl holds a {type(obj).__name__}, expected a dict of tensors (a state dict)")
+    reader = _EntryReader(zf, os.path.getsize(path))
+    _check_byteorder(reader, top)
+    entry = f"{top}/data.pkl"
+    data = reader.read(entry, max_bytes=MAX_PICKLE_BYTES)
     leaves: dict[str, Any] = {}
-    _flatten(obj, "", leaves)
-    return _materialize_all(zf, top, leaves, allow_expanding_views)
+    try:
+        _scan_pickle(data)  # bounds memo, stack and marks before the C unpickler sizes anything
+        try:
+            obj = _RestrictedUnpickler(io.BytesIO(data), path).load()
+        except RecursionError:
+            raise _FormatProblem("pickle nests too deeply") from None
+        del data
+        if not isinstance(obj, dict):
+            raise _FormatProblem(f"data.pkl holds a {type(obj).__name__}, expected a dict of tensors (a state dict)")
+        _flatten(obj, "", leaves)
+    except UnsafeCheckpointError:
+        raise
+    except (_FormatProblem, *_PICKLE_ERRORS) as e:  # name the entry the problem is in
+        detail = str(e) if isinstance(e, _FormatProblem) else f"{type(e).__name__}: {e}"
+        raise _FormatProblem(f"entry {entry!r}: {detail}") from e
+    return _materialize_all(reader, top, leaves, allow_expanding_views)
+
+
+class _EntryReader:
+    """Reads zip entries within bounds: each no larger than its declared size (and than the caller's limit),
+    a compressed one expanding at most MAX_EXPANSION_RATIO times its compressed size, and all of them together
+    at most MAX_EXPANSION_RATIO times the archive (plus EXPANSION_FLOOR_BYTES). The sizes are checked from the
+    zip directory before an entry is inflated, and entries are inflated in chunks into one buffer of the
+    declared size (zipfile never returns more than that; a short or corrupt stream is an error)."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, zf: zipfile.ZipFile, archive_bytes: int) -> None:
+        self._zf = zf
+        self._budget = MAX_EXPANSION_RATIO * archive_bytes + EXPANSION_FLOOR_BYTES
+
+    def read(self, name: str, *, max_bytes: int | None = None, exact: int | None = None,
+             what: str = "") -> bytearray:
+        """The bytes of entry `name` (KeyError when there is none). `max_bytes`: the most it may hold;
+        `exact`: the size it must have (`what` describes it for the error)."""
+        info = self._zf.getinfo(name)
+        size = info.file_size
+        if exact is not None and size != exact:
+            raise _FormatProblem(f"storage entry {name!r} has {size} bytes, expected {exact} bytes ({what})")
+        if max_bytes is not None and size > max_bytes:
+            raise _FormatProblem(f"entry {name!r} declares {size} bytes, over the {max_bytes}-byte limit")
+        if (info.compress_type != zipfile.ZIP_STORED and size > EXPANSION_FLOOR_BYTES
+                and size > MAX_EXPANSION_RATIO * info.compress_size):
+            raise _FormatProblem(f"entry {name!r} would expand {info.compress_size} compressed bytes to {size} "
+                                 f"(over {MAX_EXPANSION_RATIO}x: a decompression bomb?); refused before inflating")
+        if size > self._budget:
+            raise _FormatProblem(f"entry {name!r}: {size} bytes would take the archive's entries past "
+                                 f"{MAX_EXPANSION_RATIO}x the file's size; refused before inflating")
+        self._budget -= size
+        out = bytearray(size)
+        view, done = memoryview(out), 0
+        with self._zf.open(info) as fh:
+            while done < size:
+                got = fh.readinto(view[done:done + self._CHUNK])
+                if not got:
+                    raise _FormatProblem(f"entry {name!r} ends after {done} of its {size} declared bytes")
+                done += got
+        return out
+
+
+def _scan_pickle(data: bytes | bytearray) -> None:
+    """Walks the opcodes of the pickle `data` (nothing is built or run) and refuses what
+    could make the C unpickler allocate far more than the file holds: a memo index past the number of memo
+    entries stored so far (picklers number them 0, 1, 2, ...; the unpickler sizes its memo by the largest
+    index), a stack of more than MAX_PICKLE_STACK items, MARKs nested deeper than MAX_PICKLE_MARKS."""
+    stack, marks, memo = 0, [], 0
+    try:
+        for opcode, arg, pos in pickletools.genops(io.BytesIO(bytes(data))):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                if not (isinstance(arg, int) and 0 <= arg <= memo):
+                    raise _FormatProblem(f"pickle memo index {arg!r:.40} at byte {pos} skips past "
+                                         f"the {memo} entries stored so far (a memo sized by it would be huge)")
+                memo += arg == memo
+            elif opcode.name == "MEMOIZE":
+                memo += 1
+            before, after = opcode.stack_before, opcode.stack_after
+            if opcode.name == "POP" and marks and marks[-1] == stack:
+                marks.pop()  # POP of a MARK (protocol 0 recursive tuples)
+                continue
+            if pickletools.markobject in before:
+                if not marks:
+                    raise _FormatProblem(f"pickle opcode {opcode.name} at byte {pos} has no MARK")
+                stack = marks.pop() - before.index(pickletools.markobject)
+            else:
+                stack -= len(before)
+            if stack < 0:
+                raise _FormatProblem(f"pickle stack underflow at byte {pos} ({opcode.name})")
+            if pickletools.markobject in after:
+                marks.append(stack)
+                if len(marks) > MAX_PICKLE_MARKS:
+                    raise _FormatProblem(f"pickle MARKs nest deeper than {MAX_PICKLE_MARKS} "
+                                         f"at byte {pos}")
+            else:
+                stack += len(after)
+            if stack > MAX_PICKLE_STACK:
+                raise _FormatProblem(f"pickle stack holds more than {MAX_PICKLE_STACK} items "
+                                     f"at byte {pos}")
+    except ValueError as e:  # pickletools' own errors: unknown opcode, truncated argument
+        raise _FormatProblem(f"malformed pickle ({e})") from None
 
 
 def _describe_non_zip(path: str) -> str:
@@ -360,6 +471,11 @@ def _describe_non_zip(path: str) -> str:
         return "not a zip archive; looks like the legacy non-zip torch.save format, which is not supported"
     return "not a zip archive (torch.save writes zip archives); the file may be truncated or corrupt"
 
+
+# Exceptions the unpickler raises on a malformed pickle, reported with the entry's name (UnsafeCheckpointError, a
+# ValueError, is re-raised as it is).
+_PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError, AttributeError,
+                  OverflowError, UnicodeDecodeError, struct.error, ValueError, RecursionError)
 
 # Exceptions the stdlib raises on malformed input; all become CheckpointFormatError.
 _MALFORMED_INPUT_ERRORS = (

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,7 +29,7 @@ from .hf_tables import load_params
 from .placement import MeshPlacement
 from .quant_layout import check_checkpoint_header
 from .layers import AttnContext, check_dense_impl, rms_norm, rope_cos_sin, swiglu_mlp, unembed
-from .spec import DecoderSpec, spec_from_config
+from .spec import DecoderSpec, read_config, spec_from_config
 
 __all__ = ["CausalLM", "forward", "decoder_layer", "embed", "head", "from_pretrained", "context_from_mask",
            "PER_LAYER_MIN_LAYERS", "PER_LAYER_JIT_CHOICES"]
@@ -194,8 +193,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
     weights are replicated; each MoE layer then runs expert-sliced (`parallel.expert_sliced`: every device its
     own experts on all the tokens, the outputs all-reduced; expert weights are never gathered).
-    `kernel_backend` ('auto', 'pallas', 'interpret', 'xla'; default None: XLA) routes the MoE layers' gating,
-    dispatch and expert matmuls through `pallas_kernels` (quantized matmuls use 'auto' unless told otherwise).
+    `kernel_backend` of the MoE layers' gating, dispatch and expert matmuls (None / 'auto', the default: the
+    kernels of the platform the program is compiled for, plain XLA on CPUs; or 'xla', 'pallas', 'interpret',
+    'tpu', 'tpu_interpret'; see `tutel_jax.execution`).
     `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
     for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
     C++ CPU kernel for SwiGLU and GPT-OSS experts, float or packed, the fastest CPU decode, checked and built
@@ -219,19 +219,13 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     """
     path = Path(path)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path}: no config.json")
+    config = read_config(config_file)  # bounded: size and nesting checked before parsing
+    # every field the loaders read, checked in one pass before anything is sized from the config
+    spec = spec_from_config(config, where=str(config_file))
     try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-    try:
-        spec = spec_from_config(config)
-    except KeyError as e:
-        raise ValueError(f"{config_file}: missing key {e.args[0]!r}") from None
-    check_quantization_config(config)
+        check_quantization_config(config)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
     spec = dataclasses.replace(spec, dense_impl=check_dense_impl(dense_impl))
     if per_layer_jit not in (True, False, "auto"):
         raise ValueError(f"per_layer_jit must be True, False or 'auto', got {per_layer_jit!r}")
@@ -239,8 +233,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         per_layer_jit = spec.num_layers >= PER_LAYER_MIN_LAYERS
     ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
-        if tensors is None:
-            check_checkpoint_header(ckpt, config)  # dtypes and shapes, before any tensor is read
+        if tensors is None:  # tensor count, bytes, names, dtypes and shapes from the headers: nothing read yet
+            check_checkpoint_header(ckpt, config, where=str(config_file))
         source = ckpt
         if is_quantized(config):
             source = QuantizedTensors(ckpt, config)

@@ -8,6 +8,10 @@ hold no per-family branches, only lookups here. A family whose parts (an attenti
 experts layout, a shared-expert layout) already exist is one new file; a new kind of part is a new field or a
 new value of one, implemented once in the generic code.
 
+config.json is untrusted input: `spec.validate_config` checks it in one pass before anything is sized from it,
+against `COMMON_FIELDS` (every family) and the family's own `config_fields` (`validation.Field`s: type, range,
+whether required), with the size limits below as upper bounds, then the family's `check_config`.
+
 On-disk names are HF's: decoder layer i's modules sit under `model.layers.{i}.`, its attention under
 `self_attn.` (names: `hf_tables.attention_table`), its FFN (MoE block or dense MLP) under `Family.ffn_prefix`;
 the names in `router_tensors`, `expert_names`, `fused_experts` and `SharedExperts` are relative to that prefix.
@@ -19,10 +23,77 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..validation import Field
+
 __all__ = ["Family", "SharedExperts", "register_family", "get_family", "family_of", "family_names",
-           "config_flag", "constant", "every_layer", "moe_hidden_size"]
+           "config_flag", "constant", "every_layer", "moe_hidden_size", "COMMON_FIELDS", "MOE_WIDTH_KEYS",
+           "EXPERT_COUNT_KEYS", "GROUPED_ROUTER_FIELDS", "SPARSE_STEP_FIELDS", "MAX_LAYERS", "MAX_HEADS",
+           "MAX_EXPERTS", "MAX_HEAD_DIM", "MAX_WIDTH", "MAX_VOCAB", "MAX_POSITIONS"]
 
 Config = Mapping[str, Any]
+
+# Upper bounds of config.json's sizes: far above every released model (<= ~128 layers, 128 heads, 512 experts,
+# head_dim 256, widths ~30k, vocabularies ~260k), low enough that nothing sized from a config before it is
+# compared with the checkpoint's tensors (`quant_layout.check_checkpoint_header`) can take much memory.
+MAX_LAYERS = 1 << 14
+MAX_HEADS = 1 << 12
+MAX_EXPERTS = 1 << 14
+MAX_HEAD_DIM = 1 << 12
+MAX_WIDTH = 1 << 18  # hidden_size, intermediate sizes, LoRA ranks
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 31
+
+#: the keys naming the number of routed experts (the first one set is used, `moe_block._num_experts`)
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+#: the keys naming a routed expert's width (moe_intermediate_size, else intermediate_size: `moe_hidden_size`)
+MOE_WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+#: config.json keys every family reads; `Family.config_fields` adds each family's own
+COMMON_FIELDS: tuple[Field, ...] = (
+    Field("model_type", "str", required=True),
+    Field("vocab_size", "int", required=True, minimum=1, maximum=MAX_VOCAB),
+    Field("hidden_size", "int", required=True, minimum=1, maximum=MAX_WIDTH),
+    Field("num_hidden_layers", "int", required=True, minimum=1, maximum=MAX_LAYERS),
+    Field("num_attention_heads", "int", required=True, minimum=1, maximum=MAX_HEADS),
+    Field("num_experts_per_tok", "int", required=True, minimum=1, maximum=MAX_EXPERTS),
+    Field("num_key_value_heads", "int", minimum=1, maximum=MAX_HEADS),
+    Field("head_dim", "int", minimum=1, maximum=MAX_HEAD_DIM),
+    Field("intermediate_size", "int", minimum=1, maximum=MAX_WIDTH),
+    Field("moe_intermediate_size", "int", minimum=1, maximum=MAX_WIDTH),
+    *(Field(key, "int", minimum=1, maximum=MAX_EXPERTS) for key in EXPERT_COUNT_KEYS),
+    Field("max_position_embeddings", "int", nullable=False, minimum=1, maximum=MAX_POSITIONS),
+    Field("rms_norm_eps", "real", nullable=False, minimum=0, maximum=1, exclusive_min=True),
+    Field("rope_theta", "real", nullable=False, minimum=0, exclusive_min=True),
+    Field("partial_rotary_factor", "real", nullable=False, minimum=0, maximum=1, exclusive_min=True),
+    Field("rope_parameters", "object"),
+    Field("rope_scaling", "object"),
+    Field("tie_word_embeddings", "bool", nullable=False),
+    Field("attention_bias", "bool", nullable=False),
+    Field("sliding_window", "int", minimum=0, maximum=MAX_POSITIONS),
+    Field("use_sliding_window", "bool", nullable=False),
+    Field("layer_types", "str_list"),
+    Field("initializer_range", "real", nullable=False, minimum=0, exclusive_min=True),
+    Field("dtype", "str"),
+    Field("torch_dtype", "str"),
+    Field("quantization_config", "object"),
+)
+
+#: DeepSeek-V3-style MoE blocks: group-limited routing, shared experts, dense layers first
+GROUPED_ROUTER_FIELDS: tuple[Field, ...] = (
+    Field("n_group", "int", minimum=1, maximum=MAX_EXPERTS),
+    Field("topk_group", "int", minimum=1, maximum=MAX_EXPERTS),
+    Field("norm_topk_prob", "bool", nullable=False),
+    Field("routed_scaling_factor", "real", nullable=False),
+    Field("n_shared_experts", "int", minimum=0, maximum=MAX_EXPERTS),
+    Field("first_k_dense_replace", "int", nullable=False, minimum=0, maximum=MAX_LAYERS),
+)
+
+#: Qwen-MoE-style layer placement: MoE every decoder_sparse_step layers, except mlp_only_layers
+SPARSE_STEP_FIELDS: tuple[Field, ...] = (
+    Field("decoder_sparse_step", "int", nullable=False, minimum=1, maximum=MAX_LAYERS),
+    Field("mlp_only_layers", "int_list", minimum=0, maximum=MAX_LAYERS - 1),
+    Field("norm_topk_prob", "bool", nullable=False),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +155,10 @@ class Family:
       name: the canonical `model_type`; also `DecoderSpec.model_type` of every model of the family.
       aliases: other model_types that are this family under another name (Kimi-K2 -> deepseek_v3); the
         exported config.json keeps the model's own model_type.
+      config_fields: the family's own config.json keys (`validation.Field`s), checked with `COMMON_FIELDS`
+        by `spec.validate_config` before anything is sized from the config.
       check_config: raises ValueError for config options the family supports in HF but tutel-jax does not
-        (e.g. OLMoE's clip_qkv); called by `spec.spec_from_config`.
+        (e.g. OLMoE's clip_qkv); called by `spec.validate_config` once the fields are valid.
 
     Attention (`DecoderSpec` fields, see `attention.gqa_attention`):
       qk_norm: None (no q/k norm), 'head' (RMSNorm [D] per head after the split into heads: Qwen3-MoE,
@@ -123,6 +196,7 @@ class Family:
     name: str
     router: Callable[[Config, frozenset], dict]
     aliases: tuple[str, ...] = ()
+    config_fields: tuple[Field, ...] = ()
     check_config: Callable[[Config], None] = _accept
     qk_norm: Callable[[Config], str | None] = constant(None)
     attention_bias: Callable[[Config], bool] = config_flag("attention_bias")

@@ -22,11 +22,11 @@ import numpy as np
 
 from .. import quant_weights
 from .families import get_family
-from .moe_block import hf_moe_block
+from .moe_block import _num_experts, hf_moe_block
 from .param_layout import kernel, to_memory
 from .spec import DecoderSpec
 
-__all__ = ["attention_table", "mlp_prefix", "load_params"]
+__all__ = ["attention_table", "mlp_prefix", "load_params", "expected_shapes", "implied_tensor_count"]
 
 Table = dict[str, str]
 
@@ -77,6 +77,26 @@ def expected_shapes(spec: DecoderSpec, config: Mapping[str, Any]) -> dict[str, t
                 "mlp.up_proj": (inter, M), "mlp.down_proj": (M, inter), "embed": (spec.vocab_size, M),
                 "norm": (M,), "lm_head": (spec.vocab_size, M)})
     return out
+
+
+def implied_tensor_count(spec: DecoderSpec, config: Mapping[str, Any], *, optional: bool = False) -> int:
+    """How many tensors a float checkpoint of `config` holds (`random_init.hf_tensor_shapes`' names), counted
+    in closed form without listing them, so that a config naming far more layers or experts than its checkpoint
+    holds is refused before any per-tensor table is built. optional=False counts only the required tensors (a
+    lower bound for every format: a quantized weight is stored as one or more tensors); optional=True adds the
+    optional router tensors (DeepSeek's e_score_correction_bias), matching `len(hf_tensor_shapes(config))`."""
+    family = get_family(spec.model_type)
+    dense = spec.ffn.count("dense")
+    per_layer = len(attention_table(spec)) + 2  # attention, input / post-attention norms
+    total = 2 + (0 if spec.tie_word_embeddings else 1) + spec.num_layers * per_layer + 3 * dense
+    if dense == spec.num_layers:
+        return total
+    per_moe = len(family.router_tensors) + (len(family.optional_router_tensors) if optional else 0)
+    per_moe += len(family.fused_experts) if family.fused_experts is not None else 3 * _num_experts(config)
+    shared = family.shared_experts(config)
+    if shared is not None:
+        per_moe += 3 + (shared.gate is not None)
+    return total + (spec.num_layers - dense) * per_moe
 
 
 def _read(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...] | None = None) -> Any:

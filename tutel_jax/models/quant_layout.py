@@ -24,9 +24,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..checkpoint.safetensors_io import DTYPE_BITS
 from ..checkpoint.safetensors_write import TensorInfo
 from .families import family_of
+from .hf_tables import implied_tensor_count
+from .moe_block import _num_experts
 from .random_init import _init_kind, hf_tensor_shapes
+from .spec import spec_from_config
 
 __all__ = ["ROLES", "ALLOWED_DTYPES", "float_dtype_code", "checkpoint_layout", "check_checkpoint_header"]
 
@@ -102,19 +106,55 @@ ALLOWED_DTYPES: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_checkpoint_header(checkpoint: Any, config: Mapping[str, Any]) -> None:
-    """Checks every tensor of `checkpoint` (a `safetensors_io.Checkpoint`: only headers are read) that
-    `checkpoint_layout(config)` names against its dtype (`ALLOWED_DTYPES` of its role) and shape, before any
-    tensor is loaded. ValueError naming the file and the tensor. Tensors the layout does not name, and configs
-    whose layout it does not know (other quantization methods), are left to the loaders."""
+def _min_bytes(shape: tuple[int, ...], codes: tuple[str, ...]) -> int:
+    """The fewest bytes a tensor of `shape` stored as one of the dtype `codes` takes."""
+    return math.prod(shape) * min(DTYPE_BITS[c] for c in codes) // 8
+
+
+def check_checkpoint_header(checkpoint: Any, config: Mapping[str, Any], where: str = "config") -> None:
+    """Checks that `checkpoint` (a `safetensors_io.Checkpoint`: only its headers are read, no tensor data)
+    holds the model `config` (config.json, named `where` in errors) describes, before anything is allocated:
+
+      1. the number of tensors the config implies (`hf_tables.implied_tensor_count`, closed form: layers x
+         (attention + norms + experts ...)) is at most the number the checkpoint holds;
+      2. the bytes the config's tensors take at the least (each tensor in the narrowest dtype its role allows,
+         `ALLOWED_DTYPES`) are at most the checkpoint's own tensor bytes;
+      3. every tensor of `checkpoint_layout(config)` is present (optional router tensors aside) with a dtype
+         of its role and its shape.
+
+    ValueError naming the config (counts, bytes) or the file and the tensor. Configs whose layout is unknown
+    (other quantization methods) get checks 1 and 2 only (with the float shapes at 4 bits per value); their
+    tensors are left to the loaders.
+    """
+    spec = spec_from_config(config, where)
+    have = len(checkpoint)
+    need = implied_tensor_count(spec, config)
+    if need > have:
+        experts = "" if "moe" not in spec.ffn else f", {_num_experts(config)} experts per MoE layer"
+        raise ValueError(f"{where}: the config implies at least {need} tensors ({spec.num_layers} layers"
+                         f"{experts}) but the checkpoint holds only {have}")
+    optional = {f"model.layers.{i}.{family_of(config).ffn_prefix}{disk}"
+                for i in range(spec.num_layers) for disk in family_of(config).optional_router_tensors.values()}
     try:
         layout = checkpoint_layout(config)
+        required = [(info, role) for info, role in layout if info.name not in optional]
+        need_bytes = sum(_min_bytes(info.shape, ALLOWED_DTYPES[role]) for info, role in required)
     except ValueError:
+        layout = None
+        need_bytes = sum(math.prod(shape) for name, shape in hf_tensor_shapes(config).items()
+                         if name not in optional) // 2
+    nbytes = getattr(checkpoint, "nbytes", None)
+    if nbytes is not None and need_bytes > nbytes():
+        raise ValueError(f"{where}: the config's tensors take at least {need_bytes} bytes (hidden_size "
+                         f"{spec.hidden_size}, vocab_size {spec.vocab_size}, {spec.num_layers} layers, ...) but "
+                         f"the checkpoint's tensors hold only {nbytes()} bytes")
+    if layout is None:
         return
     method = (config.get("quantization_config") or {}).get("quant_method", "float")
-    for info, role in layout:
+    for info, role in required:
         if info.name not in checkpoint:
-            continue
+            raise ValueError(f"{where}: the config implies tensor {info.name!r} {list(info.shape)}, which the "
+                             "checkpoint does not hold")
         dtype, shape, path = checkpoint.info(info.name)
         if dtype not in ALLOWED_DTYPES[role]:
             raise ValueError(f"{path}: tensor {info.name!r} is {dtype}, but a {config.get('model_type')} "
@@ -122,3 +162,9 @@ def check_checkpoint_header(checkpoint: Any, config: Mapping[str, Any]) -> None:
         if tuple(shape) != info.shape:
             raise ValueError(f"{path}: tensor {info.name!r} has shape {list(shape)}; the config implies "
                              f"{list(info.shape)}")
+    for info, role in layout:  # optional tensors: checked when present
+        if info.name in optional and info.name in checkpoint:
+            dtype, shape, path = checkpoint.info(info.name)
+            if dtype not in ALLOWED_DTYPES[role] or tuple(shape) != info.shape:
+                raise ValueError(f"{path}: tensor {info.name!r} is {dtype} {list(shape)}; the config implies "
+                                 f"{' or '.join(ALLOWED_DTYPES[role])} {list(info.shape)}")

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import math
 
-from ..family import Family, SharedExperts, moe_hidden_size, register_family
+from ...validation import Field
+from ..family import (GROUPED_ROUTER_FIELDS, MAX_HEAD_DIM, MAX_WIDTH, Family, SharedExperts, moe_hidden_size,
+                      register_family)
 
-__all__ = ["DEEPSEEK_V3", "dense_prefix_layers", "grouped_sigmoid_router", "shared_experts", "CORRECTION_BIAS"]
+__all__ = ["DEEPSEEK_V3", "dense_prefix_layers", "grouped_sigmoid_router", "shared_experts", "CORRECTION_BIAS",
+           "MLA_FIELDS"]
 
 #: the optional router tensor (gate parameter -> on-disk name under `mlp.`)
 CORRECTION_BIAS = {"e_score_correction_bias": "gate.e_score_correction_bias"}
@@ -41,6 +44,17 @@ def shared_experts(config) -> SharedExperts | None:
     return SharedExperts("shared_experts.", moe_hidden_size(config) * n) if n else None
 
 
+#: multi-head latent attention's config.json keys (q_lora_rank null: a plain q_proj)
+MLA_FIELDS: tuple[Field, ...] = (
+    Field("kv_lora_rank", "int", required=True, minimum=1, maximum=MAX_WIDTH),
+    Field("qk_nope_head_dim", "int", required=True, minimum=1, maximum=MAX_HEAD_DIM),
+    Field("qk_rope_head_dim", "int", required=True, minimum=2, maximum=MAX_HEAD_DIM),
+    Field("v_head_dim", "int", required=True, minimum=1, maximum=MAX_HEAD_DIM),
+    Field("q_lora_rank", "int", minimum=1, maximum=MAX_WIDTH),
+    Field("rope_interleave", "bool", nullable=False),
+)
+
+
 def _mla(config, rope) -> dict:
     nope, rdim = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
     scale = (nope + rdim) ** -0.5
@@ -55,4 +69,5 @@ def _mla(config, rope) -> dict:
 
 DEEPSEEK_V3 = register_family(Family(name="deepseek_v3", aliases=("kimi_k2",), router=grouped_sigmoid_router,
                                      optional_router_tensors=CORRECTION_BIAS, moe_layers=dense_prefix_layers,
-                                     shared_experts=shared_experts, mla=_mla))
+                                     shared_experts=shared_experts, mla=_mla,
+                                     config_fields=GROUPED_ROUTER_FIELDS + MLA_FIELDS))

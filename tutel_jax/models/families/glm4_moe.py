@@ -8,7 +8,8 @@ first_k_dense_replace on, shared experts), except that HF's GLM-4 MoE router mas
 
 from __future__ import annotations
 
-from ..family import Family, config_flag, constant, register_family
+from ...validation import Field
+from ..family import GROUPED_ROUTER_FIELDS, Family, config_flag, constant, register_family
 from .deepseek_v3 import CORRECTION_BIAS, dense_prefix_layers, grouped_sigmoid_router, shared_experts
 
 __all__ = ["GLM4_MOE"]
@@ -24,4 +25,5 @@ def _qk_norm(config) -> str | None:
 
 GLM4_MOE = register_family(Family(name="glm4_moe", router=_router, optional_router_tensors=CORRECTION_BIAS,
                                   moe_layers=dense_prefix_layers, shared_experts=shared_experts, qk_norm=_qk_norm,
-                                  attention_bias=constant(False), qkv_bias=config_flag("attention_bias")))
+                                  attention_bias=constant(False), qkv_bias=config_flag("attention_bias"),
+                                  config_fields=GROUPED_ROUTER_FIELDS + (Field("use_qk_norm", "bool", nullable=False),)))

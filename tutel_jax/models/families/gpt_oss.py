@@ -8,6 +8,7 @@ softmax; fused experts `mlp.experts.gate_up_proj` [E, H, 2I] (gate / up interlea
 
 from __future__ import annotations
 
+from ...validation import Field
 from ..family import Family, register_family
 
 __all__ = ["GPT_OSS"]
@@ -25,4 +26,5 @@ def _experts(config) -> dict:
 GPT_OSS = register_family(Family(
     name="gpt_oss", router=_router, router_tensors={"weight": "router.weight", "bias": "router.bias"},
     experts=_experts, fused_experts=("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
-    sinks=True))
+    sinks=True, config_fields=(Field("swiglu_limit", "real", nullable=False, minimum=0, exclusive_min=True),
+                               Field("swiglu_alpha", "real", nullable=False))))

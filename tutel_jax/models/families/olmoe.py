@@ -9,6 +9,7 @@ SwiGLU `mlp.experts.{e}.{gate,up,down}_proj.weight` of width intermediate_size; 
 
 from __future__ import annotations
 
+from ...validation import Field
 from ..family import Family, constant, register_family
 from .qwen3_moe import softmax_topk_router
 
@@ -21,4 +22,4 @@ def _check(config) -> None:
 
 
 OLMOE = register_family(Family(name="olmoe", router=softmax_topk_router, qk_norm=constant("projection"),
-                               check_config=_check))
+                               check_config=_check, config_fields=(Field("norm_topk_prob", "bool", nullable=False),)))

@@ -7,7 +7,8 @@ shared_expert_intermediate_size, scaled per token by sigmoid(x @ `mlp.shared_exp
 
 from __future__ import annotations
 
-from ..family import Family, SharedExperts, config_flag, register_family
+from ...validation import Field
+from ..family import MAX_WIDTH, SPARSE_STEP_FIELDS, Family, SharedExperts, config_flag, register_family
 from .qwen3_moe import softmax_topk_router, sparse_step_layers
 
 __all__ = ["QWEN2_MOE"]
@@ -19,4 +20,8 @@ def _shared_expert(config) -> SharedExperts | None:
 
 
 QWEN2_MOE = register_family(Family(name="qwen2_moe", router=softmax_topk_router, moe_layers=sparse_step_layers,
-                                   qkv_bias=config_flag("qkv_bias", True), shared_experts=_shared_expert))
+                                   qkv_bias=config_flag("qkv_bias", True), shared_experts=_shared_expert,
+                                   config_fields=SPARSE_STEP_FIELDS + (
+                                       Field("qkv_bias", "bool", nullable=False),
+                                       Field("shared_expert_intermediate_size", "int", minimum=0,
+                                             maximum=MAX_WIDTH))))

@@ -8,7 +8,7 @@ mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (then a dens
 
 from __future__ import annotations
 
-from ..family import Family, constant, register_family
+from ..family import SPARSE_STEP_FIELDS, Family, constant, register_family
 
 __all__ = ["QWEN3_MOE", "softmax_topk_router", "sparse_step_layers"]
 
@@ -26,4 +26,4 @@ def softmax_topk_router(config, found) -> dict:
 
 
 QWEN3_MOE = register_family(Family(name="qwen3_moe", router=softmax_topk_router, moe_layers=sparse_step_layers,
-                                   qk_norm=constant("head")))
+                                   qk_norm=constant("head"), config_fields=SPARSE_STEP_FIELDS))
