@@ -25,6 +25,7 @@ from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull
 from .http_guard import RequestGuard
 from .sampling import model_context
 from .server_config import ServerConfig
+from .chat_template import TemplateLimits
 from .tokenizer import TextCodec, eos_token_ids
 
 try:  # the `serve` extra; only the app needs it (annotations below are resolved in this module's globals)
@@ -58,7 +59,10 @@ class Server:
         v = model.config.get("vocab_size")
         pad = model.config.get("pad_token_id")
         pad = pad if isinstance(pad, int) else 0
-        codec = TextCodec(path)
+        codec = TextCodec(path, TemplateLimits(max_chars=cfg.template_max_chars,
+                                               max_iterations=cfg.template_max_iterations,
+                                               timeout_s=cfg.template_timeout_s))
+        codec.check()  # a tokenizer file leading out of the checkpoint or a bad template: refused at startup
         if cfg.batching == "continuous":
             context = min(context, cfg.max_len or 2048)  # a request must fit one cache row
             self.engine = ContinuousEngine(model, cfg, pad, codec, max_len=context)

@@ -30,8 +30,8 @@ rules of `generate` and the server), and that prompt + max_new_tokens fits the m
 
 Shapes are static: the decode step compiles once per engine shape (row_buckets: once per power of two up to
 max_batch_size), the prefill once per (group size, bucket).
-Greedy rows equal offline `generate` on the same prompt. Sampling is per row (temperature / top_k / top_p
-arrays): token n of a request uses fold_in(fold_in(key(seed), sample_id), n), so a seeded request gives the
+Greedy rows equal offline `generate` on the same prompt. Sampling is per row (temperature / top_k / top_p /
+logit bias arrays): token n of a request uses fold_in(fold_in(key(seed), sample_id), n), so a seeded request gives the
 same tokens whatever else runs beside it.
 """
 
@@ -49,8 +49,9 @@ import numpy as np
 
 from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
-from .generate import finite_rows, sample_rows
-from .sampling import NonFiniteLogitsError, check_sampling, model_context
+from .generate import add_logit_bias, finite_rows, sample_rows
+from .sampling import MAX_LOGIT_BIAS, NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays, \
+    model_context
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
 
@@ -63,7 +64,8 @@ TRACES: collections.Counter = collections.Counter()
 class Request:
     """One sequence to continue. prompt: token ids (>= 1); max_new_tokens >= 1; sampling: temperature (0:
     greedy), top_k (None / <= 0: off), top_p (None / >= 1: off), seed and sample_id (an extra key stream, e.g.
-    the choice index of an n > 1 request); stop_token_ids finish the request (the stop token is kept);
+    the choice index of an n > 1 request); logit_bias {token id: bias in [-100, 100]} is added to its logits
+    before sampling (greedy included); stop_token_ids finish the request (the stop token is kept);
     on_token(token) is called for every new token and may return True to finish the request there.
     Filled in by the engine: tokens, finished, finish_reason ('stop', 'length', 'callback' or 'error'), row,
     error (a NonFiniteLogitsError when finish_reason is 'error')."""
@@ -77,6 +79,7 @@ class Request:
     sample_id: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     on_token: Callable[[int], Any] | None = None
+    logit_bias: dict[int, float] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
@@ -98,9 +101,10 @@ def _row_keys(seeds: jax.Array, sample_ids: jax.Array, steps: jax.Array) -> jax.
 
 
 def _sample(logits: jax.Array, sampling: tuple) -> jax.Array:
-    """Next tokens [B] from logits [B, V]; sampling = (seeds, sample_ids, steps, temperature, top_k, top_p),
-    each [B]."""
-    seeds, sample_ids, steps, temperature, top_k, top_p = sampling
+    """Next tokens [B] from logits [B, V]; sampling = (seeds, sample_ids, steps, temperature, top_k, top_p,
+    bias_ids, biases): each [B], the logit bias [B, K] (K = 0 when no row has one: the plain program)."""
+    seeds, sample_ids, steps, temperature, top_k, top_p, bias_ids, biases = sampling
+    logits = add_logit_bias(logits, (bias_ids, biases))
     return sample_rows(logits, _row_keys(seeds, sample_ids, steps), temperature, top_k, top_p)
 
 
@@ -156,6 +160,9 @@ class _Rows:
         self.temperature = np.zeros(B, np.float32)
         self.top_k = np.zeros(B, np.int32)
         self.top_p = np.ones(B, np.float32)
+        self.bias_ids = np.zeros((B, MAX_LOGIT_BIAS), np.int32)  # logit bias (unused entries: bias 0)
+        self.biases = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        self.biased = np.zeros(B, bool)
 
     def set(self, r: int, req: Request):
         self.seed[r] = req.seed % (1 << 32)
@@ -163,20 +170,33 @@ class _Rows:
         self.temperature[r] = req.temperature
         self.top_k[r] = req.top_k or 0
         self.top_p[r] = 1.0 if req.top_p is None else req.top_p
+        self.biased[r] = bool(req.logit_bias)
+        self.bias_ids[r], self.biases[r] = logit_bias_arrays(req.logit_bias or {})
 
     def clear(self, r: int):
         self.tok[r] = self.index[r] = self.seed[r] = self.sample_id[r] = self.top_k[r] = 0
         self.temperature[r], self.top_p[r] = 0.0, 1.0
+        self.bias_ids[r], self.biases[r], self.biased[r] = 0, 0.0, False
+
+    def bias(self, R: int) -> tuple[np.ndarray, np.ndarray]:
+        """The logit bias of the first R rows: [R, MAX_LOGIT_BIAS], or [R, 0] when none of them has one."""
+        if self.biased[:R].any():
+            return self.bias_ids[:R], self.biases[:R]
+        return np.zeros((R, 0), np.int32), np.zeros((R, 0), np.float32)
 
 
 def _sampling_of(reqs: Sequence[Request | None]) -> tuple:
     """Sampling arrays [G] of requests (None: a padding entry, greedy), each at its next token's step."""
     def col(f, dtype):
         return np.array([0 if r is None else f(r) for r in reqs], dtype)
+    width = MAX_LOGIT_BIAS if any(r is not None and r.logit_bias for r in reqs) else 0
+    bias = [logit_bias_arrays((r.logit_bias or {}) if r is not None else {}, width) for r in reqs]
     return (col(lambda r: r.seed % (1 << 32), np.uint32), col(lambda r: r.sample_id, np.int32),
             col(lambda r: len(r.tokens), np.int32), col(lambda r: r.temperature, np.float32),
             col(lambda r: r.top_k or 0, np.int32),
-            np.array([1.0 if r is None or r.top_p is None else r.top_p for r in reqs], np.float32))
+            np.array([1.0 if r is None or r.top_p is None else r.top_p for r in reqs], np.float32),
+            np.stack([b[0] for b in bias]).reshape(len(reqs), width),
+            np.stack([b[1] for b in bias]).reshape(len(reqs), width))
 
 
 class ContinuousBatcher:
@@ -212,6 +232,8 @@ class ContinuousBatcher:
             raise ValueError("a request needs a non-empty prompt")
         check_sampling(req.max_new_tokens, req.temperature, req.top_k, req.top_p, prompt_length=P,
                        context=self.context)
+        vocab = self.model.config.get("vocab_size") if isinstance(getattr(self.model, "config", None), dict) else None
+        req.logit_bias = check_logit_bias(req.logit_bias, vocab if isinstance(vocab, int) else None) or None
         if P + req.max_new_tokens - 1 > self.L:
             raise ValueError(f"prompt ({P}) + max_new_tokens ({req.max_new_tokens}) exceeds the engine's "
                              f"max_len {self.L} + 1")
@@ -301,7 +323,7 @@ class ContinuousBatcher:
     def _decode_step(self) -> list[Request]:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
-        sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R])
+        sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R], *s.bias(R))
         toks, ok, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
                                        self.cache, sampling)
         self.decode_steps += 1

@@ -48,8 +48,11 @@ class Job:
     stop_strs: tuple[str, ...] = ()
     on_event: Callable[[tuple], None] | None = None
     cancelled: bool = False         # the client went away: its rows are finished at the next step
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits (checked)
 
     def bucket(self):
+        if self.logit_bias:  # its bias applies to every row of a bucketed batch: it runs alone
+            return ("biased", id(self))
         if self.temperature == 0.0:
             return ("greedy",)
         if self.seed is not None:
@@ -257,7 +260,7 @@ class Engine(_Worker):
             return all(row.result is not None for row in rows)  # True: stop the batch
 
         generate(self.model, ids, N, attention_mask=mask, pad_token_id=self.pad, temperature=float(j0.temperature),
-                 top_p=j0.top_p, seed=seed, stream_callback=on_step)
+                 top_p=j0.top_p, seed=seed, stream_callback=on_step, logit_bias=dict(j0.logit_bias) or None)
         for row in rows:  # cannot happen (N covers every max_tokens), but never leave a request hanging
             if row.result is None:
                 row.finish()
@@ -342,7 +345,8 @@ class ContinuousEngine(_Worker):
             row = _Row(job, k, self.codec)
             rows.append(row)
             row.req = Request(prompt=list(prompt), max_new_tokens=job.max_tokens, temperature=job.temperature,
-                              top_p=job.top_p, seed=seed, sample_id=k, on_token=functools.partial(_on_token, row))
+                              top_p=job.top_p, seed=seed, sample_id=k, on_token=functools.partial(_on_token, row),
+                              logit_bias=dict(job.logit_bias) or None)
             reqs.append(row.req)
         self._jobs[id(job)] = (job, rows)
         try:

@@ -5,7 +5,8 @@ last prompt column (left padding); RoPE positions count real tokens only and pad
 every attention, so a row's result equals that prompt run alone. The cache length is static
 (prompt columns + max_new_tokens, rounded up to `cache_multiple`), so the decode step compiles once.
 
-Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p.
+Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p; `logit_bias`
+({token id: bias in [-100, 100]}) is added to every step's logits before either.
 
 Sampling parameters are checked by `sampling.check_sampling` (the rules the server applies too): temperature
 finite and >= 0, top_p in (0, 1], top_k >= 0, max_new_tokens >= 1 and, when the model's config gives its
@@ -32,9 +33,9 @@ import numpy as np
 
 from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
-from .sampling import NonFiniteLogitsError, check_sampling, model_context
+from .sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays, model_context
 
-__all__ = ["GenerationResult", "NonFiniteLogitsError", "finite_rows", "generate", "left_align", "sample_next",
+__all__ = ["GenerationResult", "NonFiniteLogitsError", "add_logit_bias", "finite_rows", "generate", "left_align", "sample_next",
            "sample_rows"]
 
 
@@ -130,20 +131,32 @@ def finite_rows(logits: jax.Array) -> jax.Array:
     return jnp.isfinite(logits).all(axis=-1)
 
 
-def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling):
+def add_logit_bias(logits: jax.Array, bias: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """logits [B, V] plus a logit bias: None (unchanged), (ids [K], biases [K]) for every row or (ids [B, K],
+    biases [B, K]) per row (unused entries: bias 0); float32 where a bias is added."""
+    if bias is None or bias[0].shape[-1] == 0:
+        return logits
+    ids, vals = bias
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.broadcast_to(ids, (logits.shape[0], ids.shape[-1]))
+    vals = jnp.broadcast_to(vals, ids.shape)
+    return logits.astype(jnp.float32).at[rows, ids].add(vals)
+
+
+def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling, bias=None):
     """(tokens [B], finite [B], last logits [B, V], cache)."""
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
     logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((ids.shape[0],), ids.shape[1] - 1))
     last = logits[:, -1]
-    return sample_next(last, key, *sampling), finite_rows(last), last, cache
+    return sample_next(add_logit_bias(last, bias), key, *sampling), finite_rows(last), last, cache
 
 
-def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling):
+def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling, bias=None):
     """(tokens [B], finite [B], last logits [B, V], cache)."""
     positions = (index - pad)[:, None].astype(jnp.int32)
     logits, cache = apply(params, tok[:, None], AttnContext(positions, index, key_valid), cache)
     last = logits[:, -1]
-    return sample_next(last, key, *sampling), finite_rows(last), last, cache
+    return sample_next(add_logit_bias(last, bias), key, *sampling), finite_rows(last), last, cache
 
 
 _prefill = ModelStep(_prefill_body, static_argnames=("apply", "sampling"))
@@ -151,15 +164,16 @@ _decode = ModelStep(_decode_body, static_argnames=("apply", "sampling"))
 
 
 @functools.partial(jax.jit, static_argnames=("apply", "sampling"))
-def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, keys, sampling):
+def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, keys, sampling, bias=None):
     """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], finite [B, N], logits [B, N, V])."""
     T = ids.shape[1]
-    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling)
+    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling, bias)
 
     def step(carry, xs):
         tok, cache = carry
         i, key = xs
-        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling)
+        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling,
+                                            bias)
         return (tok, cache), (tok, ok, last)
 
     steps = jnp.arange(1, keys.shape[0], dtype=jnp.int32)
@@ -224,7 +238,8 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
              top_p: float | None = None, seed: int = 0, cache_multiple: int = 16,
              return_logits: bool = False, on_device: bool = False,
              stop_token_ids: int | Sequence[int] | None = None, max_new_tokens_per_row=None,
-             stream_callback: StreamCallback | None = None) -> GenerationResult:
+             stream_callback: StreamCallback | None = None,
+             logit_bias: dict[int, float] | None = None) -> GenerationResult:
     """Generates up to max_new_tokens tokens after each prompt.
 
     Args:
@@ -244,6 +259,9 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
         tokens and row limits only pad the result); incompatible with `stream_callback`.
       stop_token_ids: an int or a sequence of ints; a row that emits one keeps it and is finished.
       max_new_tokens_per_row: [B] ints in [1, max_new_tokens]; a row is finished after that many tokens.
+      logit_bias: {token id: bias in [-100, 100]} added to every row's logits at every step before sampling or
+        argmax (`sampling.check_logit_bias`; ids within the model's vocab_size); the returned logits are the
+        model's own.
       stream_callback: `fn(step, tokens)` called in the host loop right after step `step` (0: the prefill)
         with that step's tokens [B] int32 as NumPy (pad_token_id for rows finished at an earlier step), i.e.
         column `step` of the result. Returning True (a bool) stops every row after this step.
@@ -260,6 +278,11 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     params = check_sampling(max_new_tokens, temperature, top_k, top_p, prompt_length=int(lengths.max()),
                             context=model_context(model))
     max_new_tokens = params.max_new_tokens
+    config = getattr(model, "config", None)
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    bias_map = check_logit_bias(logit_bias, vocab if isinstance(vocab, int) else None)
+    # the fixed width: one compile whatever the number of biased tokens
+    bias = tuple(jnp.asarray(a) for a in logit_bias_arrays(bias_map)) if bias_map else None
     B, T = ids.shape
     stops = _stop_ids(eos_token_id, stop_token_ids)
     limits = _row_limits(max_new_tokens_per_row, B, max_new_tokens)
@@ -273,16 +296,16 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     ids_j, cache = jnp.asarray(ids, jnp.int32), model.init_cache(B, L)
     if on_device:
         tokens, ok, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache,
-                                                 keys, sampling)
+                                                 keys, sampling, bias)
         raw, logits = np.asarray(tokens, np.int32), (np.asarray(logits) if return_logits else None)
         used = np.arange(max_new_tokens)[None, :] < _mask_finished(raw, stops, limits, pad_token_id)[1][:, None]
         _check_finite(np.asarray(ok) | ~used)  # the steps after a row finished only pad the result
     else:
         def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
             return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad, key_valid, cache,
-                           keys[i], sampling)
+                           keys[i], sampling, bias)
 
-        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling)
+        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling, bias)
         if stream_callback is None and len(stops) == 0 and max_new_tokens_per_row is None:
             raw, logits = _run_all(step, first, max_new_tokens, return_logits)
         else:

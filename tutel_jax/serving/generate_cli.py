@@ -25,17 +25,21 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..cli_args import CommandParser, checked
+from ..cli_args import CommandParser, checked, int_in_range
 from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 
 
 def _parse_ids(text: str) -> list[int]:
+    """argparse type: comma-separated token ids, each in [0, 2**31) (the int32 of the model's inputs)."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("needs at least one token id")
+    bad = [t for t in ids if not 0 <= t < 2 ** 31]
+    if bad:
+        raise argparse.ArgumentTypeError(f"token ids must be in [0, 2**31), got {bad[0]}")
     return ids
 
 
@@ -57,7 +61,7 @@ def _parser() -> CommandParser:
                     help="sample among the k most likely tokens (0: off)")
     ap.add_argument("--top-p", type=checked(check_top_p), default=None,
                     help="sample within the smallest set of tokens of probability >= p, in (0, 1] (1: off)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_in_range(-(2 ** 63), 2 ** 63 - 1), default=0)
     ap.add_argument("--stop-token-ids", type=_parse_ids, default=None,
                     help="comma-separated token ids that end a prompt's completion")
     ap.add_argument("--eos", action="store_true",
@@ -106,6 +110,11 @@ class StreamPrinter:
 def _text_prompts(checkpoint: str, prompts: list[str]):
     """(tokenizer, prompt ids) of text prompts; raises ValueError/FileNotFoundError/ImportError with a message."""
     from .tokenizer import encode, load_tokenizer
+    for b, p in enumerate(prompts):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8
+            raise ValueError(f"--prompt {b}: character {e.start} is not valid UTF-8 text") from None
     tok = load_tokenizer(checkpoint)
     ids = [encode(tok, p) for p in prompts]
     for b, p in enumerate(ids):
@@ -153,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         ids, mask = _batch(prompts, model.spec.vocab_size)
     except ValueError as e:
         return ap.fail(e)
-    stops = set(args.stop_token_ids or []) | (eos_token_ids(args.checkpoint, model.config) if args.eos else set())
+    try:
+        eos = eos_token_ids(args.checkpoint, model.config) if args.eos else set()
+    except ValueError as e:  # generation_config.json leading out of the checkpoint
+        return ap.fail(e)
+    stops = set(args.stop_token_ids or []) | eos
     kw = {"attention_mask": mask, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
           "seed": args.seed, "on_device": args.on_device, "stop_token_ids": sorted(stops)}
     printer = StreamPrinter(len(prompts), stops, tokenizer) if args.stream else None

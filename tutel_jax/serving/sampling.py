@@ -10,7 +10,10 @@ The rules (a `SamplingParamError`, a ValueError naming the parameter, the value 
   top_p            None or a number in (0, 1] (None or 1: off);
   top_k            None or an integer >= 0 (None or 0: off);
   max_new_tokens   an integer >= 1 (the server also caps it), and prompt length + max_new_tokens must not exceed
-                   the model's context (its max_position_embeddings) when both are known.
+                   the model's context (its max_position_embeddings) when both are known;
+  logit_bias       None or a mapping of at most MAX_LOGIT_BIAS token ids (ints, or decimal strings as JSON object
+                   keys are) in [0, vocab) to biases in [-100, 100], added to the logits before sampling (greedy
+                   included): +100 all but forces a token, -100 all but bans it (`check_logit_bias`).
 
 Generation that meets non-finite logits stops with a `NonFiniteLogitsError` (a FloatingPointError).
 """
@@ -19,15 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["NonFiniteLogitsError", "SamplingParamError", "SamplingParams", "check_max_new_tokens",
-           "check_sampling", "check_temperature", "check_top_k", "check_top_p", "model_context"]
+__all__ = ["MAX_LOGIT_BIAS", "NonFiniteLogitsError", "SamplingParamError", "SamplingParams", "check_logit_bias",
+           "check_max_new_tokens", "check_sampling", "logit_bias_arrays", "check_temperature", "check_top_k", "check_top_p", "model_context"]
 
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (the engines' fixed bias width: one compile)
+MAX_BIAS = 100.0
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 class SamplingParamError(ValueError):
@@ -144,6 +151,48 @@ def check_sampling(max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = Non
                                       name=names.get("temperature", "temperature")),
         top_k=check_top_k(top_k, name=names.get("top_k", "top_k")),
         top_p=check_top_p(top_p, name=names.get("top_p", "top_p")))
+
+
+def check_logit_bias(value: Any, vocab: int | None = None, *, name: str = "logit_bias") -> dict[int, float]:
+    """`value` as {token id: bias}: None -> {}; else a mapping of at most MAX_LOGIT_BIAS token ids (ints, or
+    canonical decimal strings such as JSON object keys) in [0, vocab) to finite numbers in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _type_error(name, "an object mapping token ids to biases", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise SamplingParamError(f"{name} may bias at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", name)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and _DECIMAL.fullmatch(key):
+            tid = int(key)
+        elif _is_int(key):
+            tid = int(key)
+        else:
+            raise SamplingParamError(f"{name} keys must be token ids (non-negative integers), got {key!r}", name,
+                                     "invalid_type")
+        if tid < 0 or (vocab is not None and tid >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise SamplingParamError(f"{name}: token id {tid} is outside the vocabulary {limit}", name)
+        if not _is_number(bias):
+            raise SamplingParamError(f"{name}[{key!r}] must be a number in [-100, 100], got {type(bias).__name__} "
+                                     f"{_show(bias)}", name, "invalid_type")
+        if not -MAX_BIAS <= float(bias) <= MAX_BIAS:  # NaN fails too
+            raise SamplingParamError(f"{name}[{key!r}] must be a number in [-100, 100], got {_show(bias)}", name)
+        if tid in out:
+            raise SamplingParamError(f"{name} names token id {tid} twice", name)
+        out[tid] = float(bias)
+    return out
+
+
+def logit_bias_arrays(bias: Mapping[int, float] | Any, width: int = MAX_LOGIT_BIAS) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [width] int32, biases [width] float32) of a checked logit_bias (unused entries: id 0, bias 0), the
+    engines' fixed-width form: logits.at[ids].add(biases) applies it."""
+    items = sorted(dict(bias).items())
+    ids, vals = np.zeros(width, np.int32), np.zeros(width, np.float32)
+    ids[:len(items)] = [t for t, _ in items]
+    vals[:len(items)] = [b for _, b in items]
+    return ids, vals
 
 
 def model_context(model_or_config: Any) -> int | None:

@@ -8,7 +8,11 @@ The model is served under --served-model-name (default: the checkpoint directory
 another model gets 404 model_not_found. Every error has the OpenAI shape {"error": {message, type, param, code}}.
 Non-streamed responses carry `usage`; streamed ones end with a usage chunk when `stream_options.include_usage`.
 Prompts are token-id lists (or lists of them); text prompts need a tokenizer.json next to the checkpoint and the
-`tokenizers` package; chat needs a tokenizer plus a chat template (tokenizer_config.json) and `jinja2`.
+`tokenizers` package; chat needs a tokenizer plus a chat template (tokenizer_config.json or chat_template.jinja)
+and `jinja2`. Nothing from the checkpoint or a request is trusted: the checkpoint's files must stay inside its
+directory, its chat template renders in jinja2's sandbox within --template-max-chars, --template-max-iterations
+and --template-timeout (a template that is not valid Jinja or uses internals stops the server at startup), and
+a request's text never becomes a control token (see `tokenizer.TextCodec.chat_prompt`).
 Choices always carry the generated ids as the extra field `token_ids` (`text` is "" without a tokenizer).
 
 Requests are queued for a background worker thread. Continuous batching (--batching continuous, the default;
@@ -86,6 +90,14 @@ def _parser():
                    help="a larger request body is answered 413 before it is read (default: 4 MiB)")
     p.add_argument("--read-timeout", type=positive_float, default=ServerConfig.read_timeout_s,
                    help="seconds a request's headers, and then its body, may take to arrive; slower: 408")
+    p.add_argument("--template-max-chars", type=int_at_least(1), default=ServerConfig.template_max_chars,
+                   help="characters a chat template's rendered prompt, and any string or list it builds, may hold "
+                        "(default: 4 Mi)")
+    p.add_argument("--template-max-iterations", type=int_at_least(1),
+                   default=ServerConfig.template_max_iterations,
+                   help="loop iterations one chat template render may run, all loops together")
+    p.add_argument("--template-timeout", type=positive_float, default=ServerConfig.template_timeout_s,
+                   help="seconds one chat template render may take")
     p.add_argument("--no-warmup", action="store_true", help="answer at once; compile on the first requests")
     p.add_argument("--warmup-batch-sizes", type=int_at_least(1), nargs="*", default=None,
                    help="batch sizes to compile at startup (rows are padded to powers of two; continuous: "
@@ -111,6 +123,23 @@ def _parser():
     return p
 
 
+def _address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (an unknown host, a port in use), or None."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        return f"--host {host!r}: not an address of this machine ({e})"
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        return f"--host {host!r} --port {port}: cannot listen there ({e.strerror or e})"
+    return None
+
+
 def main(argv=None) -> int:
     """`tutel-jax serve`: parses the flags, loads the checkpoint and serves until stopped. Every error before
     serving (a bad flag, a checkpoint that cannot be loaded, a missing `serve` extra) is one line on stderr,
@@ -124,6 +153,9 @@ def main(argv=None) -> int:
         return p.fail(f"the server needs the `serve` extra (pip install tutel-jax[serve]): {e}")
     from ..models.causal_lm import PER_LAYER_JIT_CHOICES
     from ..native import NativeKernelError
+    problem = _address_problem(a.host, a.port)
+    if problem:  # before the (long) load
+        return p.fail(problem)
     logging.basicConfig(level=a.log_level.upper())
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
@@ -132,10 +164,12 @@ def main(argv=None) -> int:
                        warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl,
                        dense_impl=a.dense_impl, dtype=a.dtype,
                        per_layer_jit=PER_LAYER_JIT_CHOICES[a.per_layer_jit],
-                       max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout)
+                       max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout,
+                       template_max_chars=a.template_max_chars, template_max_iterations=a.template_max_iterations,
+                       template_timeout_s=a.template_timeout)
     try:
         app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
-    except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
+    except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option / template: one line
         return p.fail(f"cannot load {a.checkpoint}: {e}")
     from .http_guard import guarded_h11_protocol
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30,

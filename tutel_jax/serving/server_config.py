@@ -34,3 +34,6 @@ class ServerConfig:
     dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408
+    template_max_chars: int = 4 * MIB   # a chat template's rendered prompt, and any value it builds, at most
+    template_max_iterations: int = 1_000_000  # loop iterations of one chat template render, all loops together
+    template_timeout_s: float = 2.0  # a chat template render that takes longer fails (400 on `messages`)
