@@ -189,6 +189,14 @@ def check_against_reference(name: str, kernel_fn: Callable, reference_fn: Callab
     return entry
 
 
+def _mosaic_gpu_unavailable(dry_run: bool) -> str | None:
+    """Why the Mosaic GPU grouped-matmul checks cannot run here, or None (a real sm_90 / sm_100 GPU, tokamax)."""
+    if dry_run or jax.default_backend() != "gpu":
+        return "Mosaic GPU kernels run only on a GPU"
+    from pallas_kernels import _select
+    return _select.mosaic_gpu_unavailable()
+
+
 def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]:
     """Kernel == reference on fresh inputs, per op (forward and custom-VJP gradients)."""
     results = []
@@ -255,6 +263,31 @@ def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]
     gmm_grad = lambda impl_: jax.grad(lambda a, b: jnp.sum(pk.gmm(a, b, sizes, implementation=impl_,
                                                                  **({} if impl_ == "xla" else small)) * cot), (0, 1))
     check("gmm_vjp", gmm_grad(impl), gmm_grad("xla"), (lhs, rhs))
+
+    # the Mosaic GPU grouped matmul (tokamax; sm_90 / sm_100), only on such a GPU with tokamax installed: it has
+    # no interpreter. K and N multiples of 64 (its limit); 807 rows, an empty group and 5 rows past the sum
+    # exercise the row padding and masking around the kernel. bf16 operands; the float32 check is their float32
+    # output (sm_90 only), held to the float32 tolerance: both sides accumulate the same exact products
+    mosaic_reason = _mosaic_gpu_unavailable(dry_run)
+    if mosaic_reason is None:
+        from pallas_kernels import mosaic_gpu_gmm
+        kdim_m, ndim_m = 256 * m, 192 * m
+        lhs, rhs = inputs.normal((rows_, kdim_m), BF16), inputs.normal((groups, kdim_m, ndim_m), BF16)
+        for out in (BF16, F32):
+            name = jnp.dtype(out).name
+            if not mosaic_gpu_gmm.supports(BF16, BF16, out, kdim_m, ndim_m):
+                print(f"  check gmm_mosaic_gpu_{name}: not run (no {name} output on {pk.current_target().name})")
+                continue
+            check(f"gmm_mosaic_gpu_{name}",
+                  lambda a, b, out=out: pk.gmm(a, b, sizes, preferred_element_type=out, implementation="mosaic_gpu"),
+                  lambda a, b, out=out: pk.gmm_reference(a, b, sizes, preferred_element_type=F32).astype(out),
+                  (lhs, rhs), name)
+        cot_m = inputs.normal((rows_, ndim_m))
+        mosaic_grad = lambda impl_: jax.grad(lambda a, b: jnp.sum(
+            pk.gmm(a, b, sizes, implementation=impl_).astype(F32) * cot_m), (0, 1))
+        check("gmm_mosaic_gpu_vjp_bfloat16", mosaic_grad("mosaic_gpu"), mosaic_grad("xla"), (lhs, rhs), "bfloat16")
+    else:
+        print(f"  check gmm_mosaic_gpu_*: not run ({mosaic_reason})")
 
     # quantized
     kq, nq = 128 * m + 128, 64 * m + 24

@@ -1,8 +1,10 @@
 """Pallas kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
 
 Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend, tiled per GPU target, see targets.py
-and the offline compile in offline/; Mosaic TPU kernels for gmm / tgmm and encode / decode, tpu_gmm.py and
-tpu_dispatch.py) and has the signature `op(..., implementation="auto", config=None)`:
+and the offline compile in offline/; Mosaic TPU kernels for gmm / tgmm, encode / decode and quant_gmm,
+tpu_gmm.py, tpu_dispatch.py and tpu_quant_gmm.py; on sm_90 / sm_100, gmm and tgmm through tokamax's Mosaic GPU
+ragged_dot where tokamax is installed, mosaic_gpu_gmm.py) and has the signature
+`op(..., implementation="auto", config=None)`:
 
 | op | module | reference |
 |---|---|---|
@@ -14,7 +16,7 @@ tpu_dispatch.py) and has the signature `op(..., implementation="auto", config=No
 `implementation`: "auto" (the kernel of the platform the program is compiled for: Triton on GPUs, Mosaic on
 TPUs where the op has one, with the XLA reference as fallback; the reference on CPUs; see `_select.py`;
 overridable by the environment variable `TUTEL_JAX_KERNELS`), "xla", "pallas" (Triton), "interpret" (the Triton
-kernel through Pallas' CPU interpreter, for tests), "tpu" (Mosaic TPU) or "tpu_interpret". `config`: the op's
+kernel through Pallas' CPU interpreter, for tests), "tpu" (Mosaic TPU), "tpu_interpret" or "mosaic_gpu". `config`: the op's
 frozen tiling dataclass (defaults chosen from the shapes). On a CPU nothing changes unless a kernel is asked
 for explicitly.
 """

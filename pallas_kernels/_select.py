@@ -4,7 +4,7 @@ Every op in this package has an ordered list of implementations: the platform's 
 on GPUs, Mosaic on TPUs, where the op has one), the XLA reference last. A call resolves its `implementation=`
 argument like this (call > runtime > default):
 
-1. an explicit name ("xla", "pallas", "interpret", "tpu", "tpu_interpret") wins: the op runs that
+1. an explicit name ("xla", "pallas", "interpret", "tpu", "tpu_interpret", "mosaic_gpu") wins: the op runs that
    implementation or raises;
 2. "auto" (the default) reads the environment variable `TUTEL_JAX_KERNELS` (same names, or "auto");
 3. still "auto": the kernel of the platform the program is compiled for (`targets.compile_platform`: the mesh in
@@ -15,6 +15,11 @@ argument like this (call > runtime > default):
 "interpret" runs the Triton kernel through Pallas' interpreter (`interpret=True`), "tpu_interpret" the Mosaic TPU
 kernel: slow, CPU-only, used by the tests to check the kernels against their references without a device.
 
+"mosaic_gpu" is tokamax's Mosaic GPU `ragged_dot` (an optional dependency: Python >= 3.12, jax >= 0.11.1) for
+the grouped matmul on Hopper and Blackwell (targets sm_90 and sm_100). An op that has it passes `mosaic_gpu=` to
+`choose`; "auto" then tries ("mosaic_gpu", "pallas", "xla") on those targets where tokamax imports, and the
+Triton kernel stays first everywhere else (sm_80, MI300, or without tokamax).
+
 The choice is made when the op is traced (shapes and the target are known then), so under `jax.jit` it is
 baked into the compiled program; set the environment variable before the first trace.
 """
@@ -24,10 +29,11 @@ from __future__ import annotations
 import os
 from typing import Callable, Literal
 
-from .targets import compile_platform
+from .targets import compile_platform, current_target
 
 __all__ = ["ENV_VAR", "IMPLEMENTATIONS", "AUTO_ORDER", "Implementation", "NotSupported", "resolve", "resolved_name",
-           "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice"]
+           "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice", "MOSAIC_GPU_TARGETS",
+           "mosaic_gpu_unavailable"]
 
 ENV_VAR = "TUTEL_JAX_KERNELS"
 #: concrete implementations, in the order "auto" tries them on a GPU
@@ -36,8 +42,10 @@ IMPLEMENTATIONS: tuple[str, ...] = ("pallas", "xla")
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"gpu": IMPLEMENTATIONS, "tpu": ("tpu", "xla"), "cpu": ("xla",)}
 #: the Mosaic TPU kernel, compiled or interpreted
 TPU_IMPLEMENTATIONS = ("tpu", "tpu_interpret")
-Implementation = Literal["auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret"]
-_NAMES = ("auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret")
+#: GPU targets with a Mosaic GPU kernel (tokamax's sm90 / sm100 ragged_dot)
+MOSAIC_GPU_TARGETS = ("sm_90", "sm_100")
+Implementation = Literal["auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret", "mosaic_gpu"]
+_NAMES = ("auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret", "mosaic_gpu")
 # accepted spellings of the same thing
 _ALIASES = {"triton": "pallas", "kernel": "pallas", "reference": "xla", "ref": "xla", "": "auto",
             "mosaic_tpu": "tpu", "mosaic": "tpu"}
@@ -71,30 +79,50 @@ def environment_choice() -> str | None:
     return None if name == "auto" else name
 
 
-def resolve(implementation: str | None = "auto") -> tuple[str, ...]:
+def mosaic_gpu_unavailable() -> str | None:
+    """Why the Mosaic GPU grouped matmul cannot be traced now (tokamax missing, or a target other than sm_90 /
+    sm_100), or None when it can be tried (the op's own check still decides per call)."""
+    from . import mosaic_gpu_gmm  # lazy: that module imports this one
+    reason = mosaic_gpu_gmm.unavailable_reason()
+    if reason is not None:
+        return reason
+    target = current_target().name
+    if target not in MOSAIC_GPU_TARGETS:
+        return (f"the Mosaic GPU kernels (tokamax) target {' and '.join(MOSAIC_GPU_TARGETS)}; this program is traced "
+                f"for {target}")
+    return None
+
+
+def resolve(implementation: str | None = "auto", mosaic_gpu: bool = False) -> tuple[str, ...]:
     """The implementations a call will try, in order.
 
     Args:
-      implementation: "auto" (or None), "xla", "pallas", "interpret", "tpu" or "tpu_interpret".
+      implementation: "auto" (or None), "xla", "pallas", "interpret", "tpu", "tpu_interpret" or "mosaic_gpu".
+      mosaic_gpu: the op has a Mosaic GPU kernel: "auto" on a GPU puts it first where it can be tried
+        (`mosaic_gpu_unavailable` is None).
 
     Returns:
-      A non-empty tuple of concrete names; more than one only for "auto" on a GPU or TPU (kernel, then XLA).
+      A non-empty tuple of concrete names; more than one only for "auto" on a GPU or TPU (kernel(s), then XLA).
     """
     name = _normalise(implementation, "implementation")
     if name == "auto":
         name = environment_choice() or "auto"
     if name != "auto":
         return (name,)
-    return AUTO_ORDER[compile_platform()]
+    platform = compile_platform()
+    order = AUTO_ORDER[platform]
+    if mosaic_gpu and platform == "gpu" and mosaic_gpu_unavailable() is None:
+        return ("mosaic_gpu",) + order
+    return order
 
 
-def resolved_name(implementation: str | None = "auto") -> str:
+def resolved_name(implementation: str | None = "auto", mosaic_gpu: bool = False) -> str:
     """The first implementation `resolve` would try (what a call runs unless the kernel declines)."""
-    return resolve(implementation)[0]
+    return resolve(implementation, mosaic_gpu)[0]
 
 
 def choose(implementation: str | None, check: Callable[[], None] | None = None,
-           tpu: bool | Callable[[], None] = False) -> str:
+           tpu: bool | Callable[[], None] = False, mosaic_gpu: bool | Callable[[], None] = False) -> str:
     """Picks the concrete implementation of one call.
 
     Args:
@@ -103,15 +131,21 @@ def choose(implementation: str | None, check: Callable[[], None] | None = None,
         dtypes, sizes); "auto" then moves on to the XLA reference, an explicit kernel choice re-raises.
       tpu: whether the op has a Mosaic TPU kernel (False: "tpu" is not supported), or that kernel's check
         (a callable as `check`).
+      mosaic_gpu: whether the op has a Mosaic GPU kernel (False: "mosaic_gpu" is not supported and "auto" never
+        tries it), or that kernel's check (a callable as `check`); either way tokamax and an sm_90 / sm_100
+        target are checked first.
 
     Returns:
-      "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the last two only where `tpu` is not False).
+      "xla", "pallas", "interpret", "tpu", "tpu_interpret" (the last two only where `tpu` is not False) or
+      "mosaic_gpu" (only where `mosaic_gpu` is not False).
     """
-    order = resolve(implementation)
+    order = resolve(implementation, mosaic_gpu is not False)
     for position, name in enumerate(order):
         kernel_check = check
         if name in TPU_IMPLEMENTATIONS:
             kernel_check = _no_tpu_kernel if tpu is False else (None if tpu is True else tpu)
+        elif name == "mosaic_gpu":
+            kernel_check = _no_mosaic_gpu_kernel if mosaic_gpu is False else _mosaic_gpu_check(mosaic_gpu)
         if name == "xla" or kernel_check is None:
             return name
         try:
@@ -125,3 +159,18 @@ def choose(implementation: str | None, check: Callable[[], None] | None = None,
 
 def _no_tpu_kernel() -> None:
     raise NotSupported("this op has no Mosaic TPU kernel; it runs its XLA reference on TPUs")
+
+
+def _no_mosaic_gpu_kernel() -> None:
+    raise NotSupported("this op has no Mosaic GPU kernel (only gmm has one, through tokamax); use 'pallas' on GPUs")
+
+
+def _mosaic_gpu_check(op_check: bool | Callable[[], None]) -> Callable[[], None]:
+    """tokamax and the target first (a clear reason), then the op's own check."""
+    def check() -> None:
+        reason = mosaic_gpu_unavailable()
+        if reason is not None:
+            raise NotSupported(reason)
+        if callable(op_check):
+            op_check()
+    return check

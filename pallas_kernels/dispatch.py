@@ -94,6 +94,7 @@ class DispatchTiling:
 DISPATCH_TILINGS: dict[str, DispatchTiling] = {
     "sm_80": DispatchTiling(),
     "sm_90": DispatchTiling(),
+    "sm_100": DispatchTiling(),
     "gfx942": DispatchTiling(),
 }
 

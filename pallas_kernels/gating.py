@@ -101,6 +101,7 @@ class GatingTiling:
 GATING_TILINGS: dict[str, GatingTiling] = {
     "sm_80": GatingTiling(),
     "sm_90": GatingTiling(),
+    "sm_100": GatingTiling(),
     "gfx942": GatingTiling(thread_elements=8, grouped_thread_elements=8),  # wave64: the same tiles as CUDA
 }
 

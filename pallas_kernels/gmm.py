@@ -28,6 +28,12 @@ that dequantizes inside the kernel, and the decode case (few rows) through split
 On TPUs ("tpu" / "tpu_interpret") both ops run JAX's Mosaic megablox kernels through `tpu_gmm.py` (its own
 tiling rule; `config` / `tgmm_config` are the Triton tilings and do not apply there). The custom VJP is the same
 for every implementation: a call that picked the TPU kernel runs its backward on it as well.
+
+On Hopper and Blackwell ("mosaic_gpu", what "auto" tries first for sm_90 / sm_100 where tokamax is installed)
+both ops run tokamax's Mosaic GPU ragged_dot through `mosaic_gpu_gmm.py` (tokamax's own tiling). Its backward
+takes each gradient from the Mosaic GPU kernel where that kernel supports it and from the Triton kernel
+otherwise: d lhs (a gmm of the cotangent) stays on Mosaic GPU for 16-bit cotangents; d rhs (tgmm) runs on
+Triton on sm_100, where tokamax has no weight-gradient kernel, and for cotangents it does not take.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import tpu_gmm
+from . import mosaic_gpu_gmm, tpu_gmm
 from ._select import TPU_IMPLEMENTATIONS, choose, resolved_name
 from ._util import cdiv, check_pow2, col, row, triton_call
 from .targets import current_target
@@ -92,12 +98,14 @@ def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
 GMM_TILINGS: dict[str, dict[str, GmmConfig]] = {
     "sm_80": {"bf16": GmmConfig(128, 128, 64, 1, 8, 3), "f32": GmmConfig(64, 128, 32, 1, 4, 3)},
     "sm_90": {"bf16": GmmConfig(128, 128, 64, 1, 8, 3), "f32": GmmConfig(64, 128, 32, 1, 4, 3)},
+    "sm_100": {"bf16": GmmConfig(128, 128, 64, 1, 8, 3), "f32": GmmConfig(64, 128, 32, 1, 4, 3)},  # as sm_90
     "gfx942": {"bf16": GmmConfig(128, 128, 64, 1, 8, 2), "f32": GmmConfig(64, 128, 32, 1, 4, 2)},
 }
 #: tgmm (weight gradient): a [block_k, block_n] output tile per program, block_m rows per reduction step
 TGMM_TILINGS: dict[str, dict[str, GmmConfig]] = {
     "sm_80": {"bf16": GmmConfig(64, 128, 128, 1, 8, 3), "f32": GmmConfig(32, 128, 64, 1, 8, 3)},
     "sm_90": {"bf16": GmmConfig(64, 128, 128, 1, 8, 3), "f32": GmmConfig(32, 128, 64, 1, 8, 3)},
+    "sm_100": {"bf16": GmmConfig(64, 128, 128, 1, 8, 3), "f32": GmmConfig(32, 128, 64, 1, 8, 3)},  # as sm_90
     "gfx942": {"bf16": GmmConfig(64, 128, 128, 1, 8, 2), "f32": GmmConfig(32, 128, 64, 1, 8, 2)},
 }
 
@@ -361,6 +369,9 @@ def _gmm_impl(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
     if impl in TPU_IMPLEMENTATIONS:
         return tpu_gmm.gmm_tpu(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                                interpret=impl == "tpu_interpret")
+    if impl == "mosaic_gpu":
+        return mosaic_gpu_gmm.gmm_mosaic_gpu(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                                             out_dtype=out_dtype)
     return _gmm_kernel_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, impl == "interpret")
 
 
@@ -370,6 +381,8 @@ def _tgmm_impl(impl, tcfg, out_dtype, lhs, grad, group_sizes, num_groups):
     if impl in TPU_IMPLEMENTATIONS:
         return tpu_gmm.tgmm_tpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype,
                                 interpret=impl == "tpu_interpret")
+    if impl == "mosaic_gpu":
+        return mosaic_gpu_gmm.tgmm_mosaic_gpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype)
     return _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, tcfg, impl == "interpret")
 
 
@@ -383,15 +396,26 @@ def _gmm_fwd(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
     return out, (lhs, rhs, group_sizes)
 
 
+def _mosaic_or_triton(impl: str, *check_args: Any, op: str) -> str:
+    """A backward call of a "mosaic_gpu" forward: Mosaic GPU where its kernel takes the call, else Triton."""
+    if impl != "mosaic_gpu":
+        return impl
+    return "mosaic_gpu" if mosaic_gpu_gmm.supports(*check_args, op=op) else "pallas"
+
+
 def _gmm_bwd(impl, cfg, tcfg, transpose_rhs, out_dtype, res, g):
     lhs, rhs, group_sizes = res
     num_groups = rhs.shape[0]
+    k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
     # d lhs = g @ rhs[g].T: the same kernel reading rhs the other way round (no transposed copy)
-    dlhs = _gmm_impl(impl, cfg, tcfg, not transpose_rhs, lhs.dtype, g, rhs, group_sizes)
+    dlhs_impl = _mosaic_or_triton(impl, g.dtype, rhs.dtype, lhs.dtype, n_dim, k_dim, op="gmm")
+    dlhs = _gmm_impl(dlhs_impl, cfg, tcfg, not transpose_rhs, lhs.dtype, g, rhs, group_sizes)
     if transpose_rhs:  # rhs [G, N, K]: d rhs[g] = g[rows_g].T @ lhs[rows_g]
-        drhs = _tgmm_impl(impl, tcfg, rhs.dtype, g, lhs, group_sizes, num_groups)
+        drhs_impl = _mosaic_or_triton(impl, g.dtype, lhs.dtype, rhs.dtype, n_dim, k_dim, op="tgmm")
+        drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, g, lhs, group_sizes, num_groups)
     else:
-        drhs = _tgmm_impl(impl, tcfg, rhs.dtype, lhs, g, group_sizes, num_groups)
+        drhs_impl = _mosaic_or_triton(impl, lhs.dtype, g.dtype, rhs.dtype, k_dim, n_dim, op="tgmm")
+        drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, lhs, g, group_sizes, num_groups)
     # inside shard_map: replicated weights get the sum of the shards' gradients
     return tpu_gmm.sum_to_primal_vma(dlhs, lhs), tpu_gmm.sum_to_primal_vma(drhs, rhs), None
 
@@ -403,6 +427,12 @@ def _tpu_check(implementation, *dtypes):
     """The TPU kernel's NotSupported check for `choose` (the interpreter skips the mesh-partitioning rule)."""
     interpret = resolved_name(implementation) == "tpu_interpret"
     return lambda: tpu_gmm.check_supported(*dtypes, interpret=interpret)
+
+
+def _mosaic_gpu_check(*args, op: str = "gmm"):
+    """The Mosaic GPU kernel's NotSupported check for `choose` (forward only: the backward falls back per
+    gradient, see `_gmm_bwd`)."""
+    return lambda: mosaic_gpu_gmm.check_supported(*args, op=op)
 
 
 def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
@@ -434,9 +464,13 @@ def gmm(
       group_sizes: [G] int32 rows per group; rows past their sum give zeros.
       transpose_rhs: rhs is stored [G, N, K].
       preferred_element_type: output dtype (default: the promoted input dtype); accumulation is float32.
-      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the TPU kernel takes
-        float32 / bfloat16 operands and outputs; "auto" falls back to XLA for other dtypes).
-      config: forward tiling (default `default_gmm_config`); tgmm_config: the weight-gradient tiling (Triton).
+      implementation: "auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret" or "mosaic_gpu" (the TPU
+        kernel takes float32 / bfloat16 operands and outputs; "auto" falls back to XLA for other dtypes; the
+        Mosaic GPU kernel, tried first by "auto" on sm_90 / sm_100 with tokamax installed, takes bfloat16 /
+        float16 operands with K and N multiples of 64, see `mosaic_gpu_gmm.check_supported`; "auto" falls back
+        to Triton for other calls).
+      config: forward tiling (default `default_gmm_config`); tgmm_config: the weight-gradient tiling (Triton;
+        neither applies to the Mosaic GPU kernel, which takes tokamax's own).
 
     Returns:
       [T, N].
@@ -444,8 +478,9 @@ def gmm(
     _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     # the backward runs on the same implementation: its cotangent has out_dtype
-    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, rhs.dtype, out_dtype))
     k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
+    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, rhs.dtype, out_dtype),
+                  mosaic_gpu=_mosaic_gpu_check(lhs.dtype, rhs.dtype, out_dtype, k_dim, n_dim))
     cfg = config or default_gmm_config(lhs.shape[0], k_dim, n_dim, rhs.shape[0], lhs.dtype)
     tcfg = tgmm_config or default_tgmm_config(k_dim, n_dim, lhs.dtype)
     return _gmm(impl, cfg, tcfg, bool(transpose_rhs), out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
@@ -474,6 +509,8 @@ def tgmm(
     if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"tgmm needs lhs [T, K] and grad [T, N], got {lhs.shape} and {grad.shape}")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
-    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype))
+    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype),
+                  mosaic_gpu=_mosaic_gpu_check(lhs.dtype, grad.dtype, out_dtype, lhs.shape[1], grad.shape[1],
+                                               op="tgmm"))
     cfg = config or default_tgmm_config(lhs.shape[1], grad.shape[1], lhs.dtype)
     return _tgmm_impl(impl, cfg, out_dtype, lhs, grad, group_sizes.astype(jnp.int32), group_sizes.shape[0])

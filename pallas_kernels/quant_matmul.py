@@ -61,6 +61,9 @@ QUANT_TILINGS: dict[str, dict[str, GmmConfig]] = {
               "prefill_f32": GmmConfig(128, 64, 32, 1, 8, 3)},
     "sm_90": {"decode": GmmConfig(64, 64, 64, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
               "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
+    # B200: H100's tiles (the same shared memory per block; not yet tuned on a device)
+    "sm_100": {"decode": GmmConfig(64, 64, 64, 1, 4, 4), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 3),
+               "prefill_f32": GmmConfig(128, 128, 64, 1, 8, 3)},
     # MI300: 64 KiB of LDS per workgroup holds two stages
     "gfx942": {"decode": GmmConfig(64, 64, 64, 1, 4, 2), "prefill_bf16": GmmConfig(128, 128, 64, 1, 8, 2),
                "prefill_f32": GmmConfig(64, 128, 64, 1, 4, 2)},
@@ -295,8 +298,9 @@ def quant_gmm(
       w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight with a leading expert dim: [G, N, K] after dequantization.
       group_sizes: [G] int32 rows per expert (rows past the sum give zeros).
       out_dtype: default x.dtype.
-      implementation: "auto", "xla", "pallas" or "interpret".
-      config: tiling (default `default_quant_config`).
+      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the Mosaic TPU kernel of
+        tpu_quant_gmm.py; "auto" on a TPU falls back to XLA where it declines the call).
+      config: tiling of the Triton kernel (default `default_quant_config`; the TPU kernel has its own rule).
 
     Returns:
       [T, N].
@@ -310,9 +314,16 @@ def quant_gmm(
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     cfg = config or default_quant_config(x.shape[0], shape[2], shape[1], shape[0], x.dtype)
     loader, operands, n_dim, _ = _operands(w, shape[0])
-    impl = choose(implementation, lambda: loader.check_block_k(cfg.block_k))
+    from . import tpu_quant_gmm  # the Mosaic TPU kernel
+    from ._select import resolved_name
+    interpret = resolved_name(implementation) == "tpu_interpret"  # the interpreter skips the shard_map rule
+    impl = choose(implementation, lambda: loader.check_block_k(cfg.block_k),
+                  tpu=lambda: tpu_quant_gmm.check_supported(w, x.dtype, out_dtype, x.shape[0], interpret=interpret))
     if impl == "xla":
         return quant_gmm_reference(x, w, group_sizes, out_dtype=out_dtype)
+    if impl in ("tpu", "tpu_interpret"):
+        return tpu_quant_gmm.quant_gmm_tpu(x, w, group_sizes.astype(jnp.int32), out_dtype=out_dtype,
+                                           interpret=impl == "tpu_interpret")
     return grouped_matmul_call(x, operands, loader, group_sizes.astype(jnp.int32), n_dim, out_dtype, cfg,
                                impl == "interpret", name=f"tutel_quant_gmm_{w.format}")
 

@@ -9,6 +9,7 @@ hardware.
 |---|---|---|---|
 | sm_80 | A100 (and other Ampere) | 166,912 bytes (163 KiB opt-in) | none: decoded with integer bit operations |
 | sm_90 | H100 / H200 | 232,448 bytes (227 KiB opt-in) | hardware |
+| sm_100 | B200 / GB200 (and other compute capability 10.x) | 232,448 bytes (227 KiB opt-in) | hardware |
 | gfx942 | MI300X / MI300A | 65,536 bytes (64 KiB LDS) | hardware |
 
 Which platform and target a trace compiles for (`compile_platform`, `current_target`): the devices the program
@@ -45,9 +46,9 @@ class Target:
     """One GPU generation.
 
     Attributes:
-      name: "sm_80", "sm_90" or "gfx942" (the key of `TARGETS` and of the tiling tables).
+      name: "sm_80", "sm_90", "sm_100" or "gfx942" (the key of `TARGETS` and of the tiling tables).
       platform: the JAX export platform, "cuda" or "rocm".
-      arch: Triton's architecture: the compute capability as an int (80, 90) or the gfx name.
+      arch: Triton's architecture: the compute capability as an int (80, 90, 100) or the gfx name.
       warp_size: threads per warp (32) or wavefront (64).
       shared_bytes: the most shared memory (LDS) one block may use; Triton checks it only at load time.
       num_sms: streaming multiprocessors / compute units, which split-K heuristics aim to fill.
@@ -70,6 +71,9 @@ class Target:
 TARGETS: dict[str, Target] = {
     "sm_80": Target("sm_80", "cuda", 80, 32, 166_912, 108, False, "NVIDIA A100-SXM4-80GB", "A100"),
     "sm_90": Target("sm_90", "cuda", 90, 32, 232_448, 132, True, "NVIDIA H100 80GB HBM3", "H100/H200"),
+    # Blackwell: the same 227 KiB opt-in shared memory per block as Hopper (CUDA C++ Programming Guide, compute
+    # capability 10.0); B200 has 148 SMs
+    "sm_100": Target("sm_100", "cuda", 100, 32, 232_448, 148, True, "NVIDIA B200", "B200/GB200"),
     "gfx942": Target("gfx942", "rocm", "gfx942", 64, 65_536, 304, True, "gfx942", "MI300"),
 }
 DEFAULT_TARGET = "sm_90"
@@ -94,10 +98,14 @@ def platform_name(platform: str) -> str:
     return "tpu" if platform == "tpu" else "cpu"
 
 
+#: device-kind substrings of compute capability 10.x GPUs ("GB200" contains "B200")
+_BLACKWELL_KINDS = ("B100", "B200", "B300")
+
+
 def target_of_kind(device_kind: str, platform: str = "gpu") -> Target | None:
     """The target of a GPU by its device kind (what an abstract device of a mesh carries): AMD's gfx / MI parts
-    map to gfx942, Ampere (A100, A10, A30, A40, RTX A-series) to sm_80, newer NVIDIA GPUs to sm_90. None off
-    GPUs."""
+    map to gfx942, Ampere (A100, A10, A30, A40, RTX A-series) to sm_80, Blackwell data-center parts (B100, B200,
+    GB200, B300, GB300) to sm_100, other NVIDIA GPUs to sm_90. None off GPUs."""
     if platform_name(platform) != "gpu":
         return None
     kind = str(device_kind or "")
@@ -106,14 +114,16 @@ def target_of_kind(device_kind: str, platform: str = "gpu") -> Target | None:
         return TARGETS["gfx942"]
     if any(tag in upper for tag in (" A100", " A10", " A30", " A40", "RTX A")):
         return TARGETS["sm_80"]
+    if any(tag in upper for tag in _BLACKWELL_KINDS):
+        return TARGETS["sm_100"]
     return TARGETS[DEFAULT_TARGET]
 
 
 def target_of_device(device: jax.Device) -> Target | None:
     """The target of a JAX GPU device (None for a CPU or TPU device).
 
-    CUDA devices map by compute capability: 9.0 and newer to sm_90, 8.x to sm_80 (8.9 has e4m3 hardware, but the
-    bit decoder is exact on it as well). ROCm devices map to gfx942 (the only AMD target; gfx90a shares its LDS
+    CUDA devices map by compute capability: 10.0 and newer to sm_100, 9.x to sm_90, 8.x to sm_80 (8.9 has e4m3
+    hardware, but the bit decoder is exact on it as well). ROCm devices map to gfx942 (the only AMD target; gfx90a shares its LDS
     size). A device without a compute capability maps by its kind (`target_of_kind`)."""
     if device.platform not in ("gpu", "cuda", "rocm"):
         return None
@@ -125,6 +135,8 @@ def target_of_device(device: jax.Device) -> Target | None:
         major = int(capability.split(".")[0])
     except ValueError:
         return target_of_kind(kind, device.platform)
+    if major >= 10:
+        return TARGETS["sm_100"]
     return TARGETS["sm_90"] if major >= 9 else TARGETS["sm_80"]
 
 

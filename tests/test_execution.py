@@ -18,7 +18,7 @@ GPU_KINDS = {"sm_80": "NVIDIA A100-SXM4-80GB", "sm_90": "NVIDIA H100 80GB HBM3"}
 def _abstract_mesh(platform: str, kind: str) -> jax.sharding.AbstractMesh:
     """A one-device abstract mesh on `platform` (what `jax.set_mesh` of a deviceless topology puts in context)."""
     device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
 
 
 @pytest.fixture(autouse=True)

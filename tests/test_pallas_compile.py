@@ -8,6 +8,9 @@ quantized format), and every tiling the selection tables hold. Asserted: each ke
 fits the target's per-block limit, and a kernel that spills registers says so in the report (written to
 `.offline_cache/report_<target>.md`). Compile results are cached by kernel hash in `.offline_cache/` (or
 `$TUTEL_JAX_OFFLINE_CACHE`), so reruns only compile what changed.
+
+sm_100 (B200) is not in this gate: its tilings are sm_90's, and XLA's own Triton compiles its kernels in the
+deviceless B200 compiles (tests/test_mosaic_gpu_gmm.py, tests/test_compile_cli.py) at no extra CI time.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ def _report(target: str):
     return reports
 
 
+OFFLINE_TARGETS = ("gfx942", "sm_80", "sm_90")
+
+
 @needs_triton
-@pytest.mark.parametrize("target", sorted(pk.TARGETS))
+@pytest.mark.parametrize("target", OFFLINE_TARGETS)
 def test_every_kernel_compiles_and_fits(target):
     """One test per target (the lowering of ~110 cases is shared by its assertions)."""
     reports = _report(target)

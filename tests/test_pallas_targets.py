@@ -24,12 +24,29 @@ def _device(platform, capability="", kind=""):
     (_device("gpu", "8.0", "NVIDIA A100-SXM4-80GB"), "sm_80"),
     (_device("gpu", "8.6", "NVIDIA A10"), "sm_80"),
     (_device("gpu", "9.0", "NVIDIA H100 80GB HBM3"), "sm_90"),
-    (_device("gpu", "10.0", "NVIDIA B200"), "sm_90"),
+    (_device("gpu", "10.0", "NVIDIA B200"), "sm_100"),
+    (_device("gpu", "10.3", "NVIDIA GB300"), "sm_100"),
     (_device("gpu", "gfx942", "AMD Instinct MI300X"), "gfx942"),
     (_device("rocm", "", "gfx942"), "gfx942"),
 ])
 def test_target_of_a_gpu_device(device, expected):
     assert pk.targets.target_of_device(device).name == expected
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("NVIDIA B200", "sm_100"), ("NVIDIA GB200", "sm_100"), ("NVIDIA B100", "sm_100"),
+    ("NVIDIA H100 80GB HBM3", "sm_90"), ("NVIDIA H200", "sm_90"), ("NVIDIA A100-SXM4-80GB", "sm_80"),
+])
+def test_target_of_a_device_kind(kind, expected):
+    assert pk.targets.target_of_kind(kind).name == expected
+
+
+def test_sm100_target_is_blackwell():
+    """B200: compute capability 10.0, the same 227 KiB opt-in shared memory per block as H100, fp8 in
+    hardware, 148 SMs."""
+    t = pk.TARGETS["sm_100"]
+    assert (t.platform, t.arch, t.warp_size, t.shared_bytes, t.num_sms, t.fp8_convert) == (
+        "cuda", 100, 32, 232_448, 148, True)
 
 
 def test_cpu_has_no_target_and_traces_for_the_default():
@@ -57,6 +74,7 @@ def test_every_table_covers_every_target():
                   dispatch.DISPATCH_TILINGS):
         assert set(table) == set(pk.TARGETS)
     assert not pk.TARGETS["sm_80"].fp8_convert and pk.TARGETS["sm_90"].fp8_convert
+    assert pk.TARGETS["sm_100"].fp8_convert
 
 
 def test_defaults_follow_the_target():

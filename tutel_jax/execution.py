@@ -40,13 +40,15 @@ import pallas_kernels
 from .call_options import DROPLESS_EXCHANGES
 from .linear import DENSE_IMPLS
 
-__all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "Execution", "add_arguments", "from_arguments",
+__all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Execution", "add_arguments", "from_arguments",
            "check_kernel_backend", "kernels", "platform", "use_kernels"]
 
 #: the valid values of `kernel_backend` (None and "auto" mean the same: not set)
 KERNEL_BACKENDS = (None, "auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret")
 PLATFORMS = pallas_kernels.PLATFORMS
 
+#: the knobs a loaded model applies (`from_pretrained`'s arguments); the others are expert-parallel training's
+MODEL_KNOBS = ("kernel_backend", "dropless_impl", "dense_impl", "per_layer_jit")
 #: command-line spellings of `per_layer_jit` ('auto': one program per kind of layer from 8 layers on)
 PER_LAYER_JIT = {"auto": "auto", "on": True, "off": False}
 
@@ -179,9 +181,11 @@ def _parse_field(field: str, text: str) -> Any:
         else:
             value = text
         Execution(**{field: value})
-    except (KeyError, ValueError) as e:
-        expected = {"per_layer_jit": "auto, on or off", "use_2dh": "on or off"}.get(field, str(e))
+    except KeyError:
+        expected = {"per_layer_jit": "auto, on or off", "use_2dh": "on or off"}[field]
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}") from None
+    except ValueError as e:  # the record's own check says what is expected
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: {e}") from None
     return value
 
 

@@ -83,7 +83,7 @@ class Experts:
     hidden_axes: ClassVar[Callable[[Any], Any] | None] = None
     native: ClassVar[Callable[..., jax.Array] | None] = None
     output_dim: int | None = None  # None: the layer's model_dim
-    kernel_backend: str | None = None  # grouped matmuls: None = lax.ragged_dot, else a pallas_kernels implementation
+    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
     hidden_size_per_expert: int | None = None
     num_local_experts: int = 1  # read by make_config for an object passed as `experts` (a dict has count_per_node)
 
@@ -179,7 +179,7 @@ class FFNExperts(Experts):
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: int | None = None
-    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot, else pallas_kernels.gmm implementation
+    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
 
     def init(self, key, model_dim, num_experts, dtype):
         out_dim = self.output_dim or model_dim
@@ -211,7 +211,7 @@ class FFNExperts(Experts):
         return y
 
     def batched(self, params, x):
-        return self.apply(params, x, Batched())
+        return self.apply(params, x, Batched(self.kernel_backend))
 
     def grouped(self, params, x, group_sizes):
         return self.apply(params, x, Grouped(group_sizes, x.shape[0], self.kernel_backend, with_rows=True))
@@ -233,7 +233,7 @@ class LlamaFFNExperts(Experts):
 
     hidden_size_per_expert: int
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
-    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot, else pallas_kernels.gmm implementation
+    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
 
     def init(self, key, model_dim, num_experts, dtype):
         k1, k2, k3 = jax.random.split(key, 3)
@@ -252,7 +252,7 @@ class LlamaFFNExperts(Experts):
         return mode.linear(self.activation_fn(gate) * up, params["W_fc3"])
 
     def batched(self, params, x):
-        return self.apply(params, x, Batched())
+        return self.apply(params, x, Batched(self.kernel_backend))
 
     def grouped(self, params, x, group_sizes):
         return self.apply(params, x, Grouped(group_sizes, x.shape[0], self.kernel_backend))

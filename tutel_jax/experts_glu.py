@@ -47,7 +47,7 @@ class _GLUExperts(Experts):
         raise NotImplementedError
 
     def batched(self, params, x):
-        return self.apply(params, x, Batched())
+        return self.apply(params, x, Batched(self.kernel_backend))
 
     def grouped(self, params, x, group_sizes):
         return self.apply(params, x, Grouped(group_sizes, x.shape[0], self.kernel_backend,
@@ -91,7 +91,7 @@ class SwiGLUExperts(_GLUExperts):
     hidden_size_per_expert: int
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
     output_dim: int | None = None
-    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot (packed: "auto"), else a gmm implementation
+    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
     weight_format: str | None = None
 
     def init(self, key, model_dim, num_experts, dtype):
@@ -155,7 +155,7 @@ class GptOssExperts(_GLUExperts):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     output_dim: int | None = None
-    kernel_backend: str | None = None  # grouped(): None = lax.ragged_dot (packed: "auto"), else a gmm implementation
+    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
     weight_format: str | None = None
 
     _has_biases = True

@@ -49,8 +49,16 @@ def _kernel_view(w: jax.Array) -> jax.Array:
     return w if w.ndim == 3 else w.reshape(w.shape[0], w.shape[1], -1)
 
 
-def batched_linear(x: jax.Array, w: Any, *, out_in: bool = False) -> jax.Array:
-    """x [E, C, K] through each expert's weight -> [E, C, N] in x's dtype."""
+def batched_linear(x: jax.Array, w: Any, *, out_in: bool = False, backend: str | None = None) -> jax.Array:
+    """x [E, C, K] through each expert's weight -> [E, C, N] in x's dtype. Packed weights go through the grouped
+    quantized kernel (C rows per expert) where `backend` resolves to kernels (`execution.kernels`), so the
+    capacity path never dequantizes a whole layer on a GPU or TPU; elsewhere they are dequantized in XLA."""
+    if quant_weights.is_quantized(w) and (kernels := execution.kernels(backend)) is not None:
+        num_experts, capacity, _ = x.shape
+        sizes = jnp.full((num_experts,), capacity, jnp.int32)
+        rows = pallas_kernels.quant_gmm(x.reshape(num_experts * capacity, -1), w, sizes, out_dtype=x.dtype,
+                                        implementation=kernels)
+        return rows.reshape(num_experts, capacity, -1)
     if quantized := quant_weights.is_quantized(w):
         w = quant_weights.dequantize(w, x.dtype)
     if quantized or out_in:
@@ -95,10 +103,13 @@ class Mode:
 
 
 class Batched(Mode):
-    """Capacity buffers x [E, C, K]."""
+    """Capacity buffers x [E, C, K]; `backend`: the experts' kernel_backend (packed weights' kernel)."""
+
+    def __init__(self, backend: str | None = None):
+        self.backend = backend
 
     def linear(self, x, w, *, out_in=False):
-        return batched_linear(x, w, out_in=out_in)
+        return batched_linear(x, w, out_in=out_in, backend=self.backend)
 
     def bias(self, b, dtype):
         return b[:, None, :].astype(dtype)

@@ -200,8 +200,7 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     cfg = cfg or ServerConfig()
     if model is None:
         from ..models import from_pretrained
-        model = from_pretrained(path, dtype=cfg.dtype, dropless_impl=cfg.dropless_impl, dense_impl=cfg.dense_impl,
-                                per_layer_jit=cfg.per_layer_jit)
+        model = from_pretrained(path, dtype=cfg.dtype, **cfg.execution.set_fields())
     srv = Server(model, path, cfg)
 
     @asynccontextmanager

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from .. import execution
 from ..cli_args import CommandParser, checked, int_in_range
 from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 
@@ -44,7 +45,6 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _parser() -> CommandParser:
-    from ..dropless import IMPLS
     ap = CommandParser(prog="tutel-jax generate", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -68,8 +68,7 @@ def _parser() -> CommandParser:
                     help="also stop at the checkpoint's eos_token_id(s) (config.json, generation_config.json)")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     ap.add_argument("--on-device", action="store_true", help="all decode steps in one compiled lax.scan")
-    ap.add_argument("--dropless-impl", default="auto", choices=IMPLS,
-                    help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
+    execution.add_arguments(ap)
     return ap
 
 
@@ -153,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     from tutel_jax.serving.tokenizer import eos_token_ids
 
     try:
-        model = from_pretrained(args.checkpoint, progress=None, dropless_impl=args.dropless_impl)
+        knobs = execution.from_arguments(args, allowed=execution.MODEL_KNOBS)
+    except ValueError as e:
+        return ap.fail(e)
+    try:
+        model = from_pretrained(args.checkpoint, progress=None, **knobs.set_fields())
     except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
         return ap.fail(f"cannot load {args.checkpoint}: {e}")
     if model.spec.ffn.count("moe") and model.config.get("quantization_config"):

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from .. import execution
 from .api_errors import APIError
 from .app import Server, create_app
 from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull, finish_completion
@@ -57,9 +58,6 @@ __all__ = ["APIError", "Completion", "ContinuousEngine", "Engine", "Job", "Queue
 
 def _parser():
     from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
-    from ..dropless import IMPLS
-    from ..models.layers import DENSE_IMPLS
-    from ..models.causal_lm import PER_LAYER_JIT_CHOICES
     p = CommandParser(prog="tutel-jax serve", description="OpenAI-compatible server for a tutel-jax checkpoint "
                       "(GET /health, /v1/models; POST /v1/completions, /v1/chat/completions)")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -108,18 +106,11 @@ def _parser():
     p.add_argument("--warmup-max-tokens", type=int_at_least(1), default=2,
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
-    p.add_argument("--dropless-impl", default="auto", choices=IMPLS,
-                   help="how the MoE layers run their experts ('native': the C++ CPU kernel, fastest on CPU)")
-    p.add_argument("--dense-impl", default="auto", choices=DENSE_IMPLS,
-                   help="the attention projections' and lm_head's matmul ('native': the C++ CPU kernel; 'auto': "
-                        "native on CPU for decode batches of bfloat16 or packed weights)")
-    p.add_argument("--per-layer-jit", default="auto", choices=list(PER_LAYER_JIT_CHOICES),
-                   help="compile one program per kind of block of layers (compile time flat with depth; 'auto': for "
-                        "models of 8 layers or more) instead of one whole-model program")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's float weights and activations (packed expert weights stay packed)")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
+    execution.add_arguments(p)
     return p
 
 
@@ -151,8 +142,11 @@ def main(argv=None) -> int:
         import uvicorn
     except ImportError as e:
         return p.fail(f"the server needs the `serve` extra (pip install tutel-jax[serve]): {e}")
-    from ..models.causal_lm import PER_LAYER_JIT_CHOICES
     from ..native import NativeKernelError
+    try:
+        knobs = execution.from_arguments(a, allowed=execution.MODEL_KNOBS)
+    except ValueError as e:
+        return p.fail(str(e))
     problem = _address_problem(a.host, a.port)
     if problem:  # before the (long) load
         return p.fail(problem)
@@ -161,9 +155,7 @@ def main(argv=None) -> int:
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
                        warmup_batch_sizes=a.warmup_batch_sizes, warmup_prompt_lens=a.warmup_prompt_lens,
-                       warmup_max_tokens=a.warmup_max_tokens, dropless_impl=a.dropless_impl,
-                       dense_impl=a.dense_impl, dtype=a.dtype,
-                       per_layer_jit=PER_LAYER_JIT_CHOICES[a.per_layer_jit],
+                       warmup_max_tokens=a.warmup_max_tokens, execution=knobs, dtype=a.dtype,
                        max_request_bytes=a.max_request_bytes, read_timeout_s=a.read_timeout,
                        template_max_chars=a.template_max_chars, template_max_iterations=a.template_max_iterations,
                        template_timeout_s=a.template_timeout)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..execution import Execution
+
 __all__ = ["ServerConfig"]
 
 MIB = 1 << 20
@@ -28,9 +30,8 @@ class ServerConfig:
     warmup_batch_sizes: list[int] | None = None    # compiled at startup (rows); default [1]
     warmup_prompt_lens: list[int] | None = None    # with these prompt lengths; default [1]
     warmup_max_tokens: int = 2
-    dropless_impl: str = "auto"     # the MoE layers' dropless implementation when the app loads the model
-    dense_impl: str = "auto"        # the dense projections' matmul (`models.layers.linear`)
-    per_layer_jit: bool | str = "auto"  # one compiled program per kind of block of layers (`models.layer_programs`)
+    execution: Execution = Execution()  # how the loaded model runs: kernels, dropless path, dense path, per-layer
+                                        # programs (`tutel_jax.execution`; unset fields: the library's defaults)
     dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408

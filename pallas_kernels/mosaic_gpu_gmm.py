@@ -1,0 +1,263 @@
+"""Grouped matmul on Mosaic GPU kernels (Hopper sm_90, Blackwell sm_100) through tokamax's `ragged_dot`.
+
+    gmm_mosaic_gpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
+    tgmm_mosaic_gpu(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]            (sm_90 only)
+
+Semantics are gmm.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros (gmm) and are
+ignored (tgmm); a group that extends past T is cut at T; an empty group gives a zero [K, N] block (tgmm).
+
+tokamax (PyPI `tokamax`, an optional dependency: Python >= 3.12, jax >= 0.11.1) ships Pallas Mosaic GPU kernels
+for `ragged_dot`: a wgmma kernel for sm_90 with a ragged-contraction (weight-gradient) variant, and a tcgen05
+kernel for sm_100 that has the forward form only. This module calls its public `tokamax.ragged_dot_general`
+with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, else its heuristics; gmm.py's
+`GmmConfig` tilings are Triton's and do not apply) and adapts the semantics around it:
+
+- group sizes are clamped to T first, so no group reaches past the rows that exist;
+- rows: Mosaic GPU's TMA tiles need the row count of lhs to be a multiple of 8 (gmm: rows are the major dim)
+  and of 64 for tgmm (there the rows are the contracted, minor dim of the transposed lhs), so lhs / grad get
+  zero rows appended; the padding lies past the last group;
+- rows past the last group: the kernel never writes the row tiles no group owns, so the output is masked to
+  zero there (one select, fused with the slice back to T);
+- which kernel tokamax builds (sm_90 or sm_100) follows the compute capability of JAX's default device. On the
+  GPU itself that is the device. Compiling for another GPU (deviceless, e.g. `jax.set_mesh` of a topology of 8
+  H100s on a CPU host), the call is traced under `jax.default_device` of a compile-only device of the target
+  (from `jax.experimental.topologies` through JAX's CUDA plugin; see `tutel_jax.compile.topology`). Without
+  either, the call is NotSupported. Mosaic GPU keeps one architecture per process when compiling without a
+  GPU: a process that compiled for sm_90 cannot also compile for sm_100.
+
+Limits (`check_supported` raises NotSupported, and "auto" moves on to the Triton kernel):
+- lhs and rhs both bfloat16 or both float16 (tokamax's limit; float32 runs Triton, which follows
+  `jax.default_matmul_precision`); the output bf16 / f16 / float32 on sm_90, the input dtype on sm_100 (a
+  float32 output tile does not fit the sm_100 kernel's shared memory at tokamax's tiling);
+- K and N multiples of 64 (the 128-byte swizzled tile of 16-bit elements; the TMA descriptors need it);
+- tgmm on sm_90 only: on sm_100 the weight gradient runs the Triton tgmm;
+- on a multi-device mesh every mesh axis of size > 1 must be manual (inside `shard_map`): like Mosaic TPU
+  kernels, these are not partitioned by XLA.
+
+Numerics: Mosaic GPU kernels run only on a GPU (Pallas' interpreter does not run them, and tokamax exposes no
+interpret mode for them); `benchmarks/gpu_kernels.py` checks them against `gmm_reference` on a device.
+tokamax's tgmm kernel masks lhs outside each group but not grad, so a non-finite grad row past the last group
+would reach the gradient (the Triton tgmm masks both).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._select import MOSAIC_GPU_TARGETS, NotSupported
+from .targets import Target, _default_device, _mesh_device, current_target, target_of_device, target_of_kind
+from .tpu_gmm import _auto_partitioned_axes, clamp_group_sizes, run_manual
+
+__all__ = ["MOSAIC_GPU_DTYPES", "DIM_MULTIPLE", "unavailable_reason", "check_supported", "supports",
+           "gmm_mosaic_gpu", "tgmm_mosaic_gpu", "compile_device"]
+
+#: input dtypes of tokamax's non-quantized Mosaic GPU kernels (lhs and rhs alike)
+MOSAIC_GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+#: K and N must be multiples of this (a 128-byte swizzle tile of 16-bit elements)
+DIM_MULTIPLE = 64
+#: row padding of lhs: gmm (rows = the major dim of a TMA tile) and tgmm (rows = the contracted minor dim)
+GMM_ROW_MULTIPLE = 8
+TGMM_ROW_MULTIPLE = 64
+#: the weight gradient (ragged contraction) has a Mosaic GPU kernel on these targets only
+TGMM_TARGETS = ("sm_90",)
+#: a named scope around the kernel: its custom call's op name says where it comes from
+SCOPE = "tutel_gmm_mosaic_gpu"
+
+_FORWARD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_TRANSPOSED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_CONTRACTING = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.lru_cache(maxsize=None)
+def _tokamax_import() -> tuple[Any, str | None]:
+    """(the tokamax module or None, why not); imported once: it is a large package."""
+    try:
+        return importlib.import_module("tokamax"), None
+    except ImportError as error:
+        return None, (f"tokamax is not installed ({error}); the Mosaic GPU grouped matmul needs it: "
+                      "pip install tokamax (Python >= 3.12, jax >= 0.11.1)")
+
+
+def unavailable_reason() -> str | None:
+    """Why tokamax's Mosaic GPU ragged_dot cannot be used in this environment, or None when it can."""
+    return _tokamax_import()[1]
+
+
+def _tokamax() -> Any:
+    module, reason = _tokamax_import()
+    if module is None:
+        raise NotSupported(reason)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only_device(device_kind: str) -> jax.Device | None:
+    """A compile-only device of that kind (JAX's CUDA plugin describes it), or None where none can be made."""
+    try:  # lazy: the library's deviceless-compile helpers; this package imports without them
+        from tutel_jax.compile.hardware import HARDWARE
+        from tutel_jax.compile.topology import parse_target, topology_of
+    except ImportError:
+        return None
+    name = next((h.name for h in HARDWARE.values() if h.platform == "gpu" and h.device_kind == device_kind), None)
+    if name is None:
+        return None
+    try:
+        return topology_of(parse_target(name)).devices[0]
+    except Exception:  # noqa: BLE001 - no CUDA plugin, an old JAX, a plugin that cannot describe topologies
+        return None
+
+
+def compile_device(target: Target | None = None) -> jax.Device | None:
+    """The device whose compute capability tokamax reads to build the kernel for `target` (default: the current
+    one): the default device when it is a GPU of that target, else a compile-only device of the mesh's device
+    kind (or the target's own kind); None when there is neither."""
+    target = target or current_target()
+    default = _default_device()
+    if default is not None and default.platform in ("gpu", "cuda") and target_of_device(default) is target:
+        return default
+    mesh = _mesh_device()
+    kinds = [mesh[1]] if mesh is not None and target_of_kind(mesh[1], mesh[0]) is target else []
+    for kind in kinds + [target.device_kind]:
+        device = _compile_only_device(kind)
+        if device is not None:
+            return device
+    return None
+
+
+def check_supported(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, k_dim: int, n_dim: int, *,
+                    op: str = "gmm") -> None:
+    """Raises NotSupported unless the Mosaic GPU kernel can run this call (see the module docstring).
+
+    Args:
+      lhs_dtype, rhs_dtype, out_dtype: the operands' and the output's dtypes (tgmm: lhs, grad and the [G, K, N]
+        output).
+      k_dim, n_dim: gmm: the contraction and output widths; tgmm: the [K, N] of each gradient block.
+      op: "gmm" or "tgmm".
+    """
+    _tokamax()
+    target = current_target()
+    if target.name not in MOSAIC_GPU_TARGETS:
+        raise NotSupported(f"the Mosaic GPU kernels target {' and '.join(MOSAIC_GPU_TARGETS)}, not {target.name}")
+    if op == "tgmm" and target.name not in TGMM_TARGETS:
+        raise NotSupported(f"tokamax has no Mosaic GPU weight-gradient (ragged contraction) kernel for "
+                           f"{target.name}; tgmm runs on Triton there")
+    lhs_dtype, rhs_dtype, out_dtype = (jnp.dtype(d) for d in (lhs_dtype, rhs_dtype, out_dtype))
+    if lhs_dtype != rhs_dtype or lhs_dtype not in MOSAIC_GPU_DTYPES:
+        raise NotSupported(f"the Mosaic GPU grouped matmul takes two bfloat16 or two float16 operands, got "
+                           f"{lhs_dtype} and {rhs_dtype}")
+    outputs = (lhs_dtype,) if target.name == "sm_100" else MOSAIC_GPU_DTYPES + (jnp.dtype(jnp.float32),)
+    if out_dtype not in outputs:
+        raise NotSupported(f"the Mosaic GPU grouped matmul for {target.name} writes {[str(d) for d in outputs]}, "
+                           f"not {out_dtype}")
+    if k_dim % DIM_MULTIPLE or n_dim % DIM_MULTIPLE:
+        raise NotSupported(f"the Mosaic GPU grouped matmul needs K and N to be multiples of {DIM_MULTIPLE}, got "
+                           f"K={k_dim}, N={n_dim}")
+    axes = _auto_partitioned_axes()
+    if axes:
+        raise NotSupported(f"Mosaic GPU kernels cannot be partitioned automatically (mesh axes {axes} are not "
+                           "manual); call the op inside shard_map")
+    if compile_device(target) is None:
+        raise NotSupported(f"no {target.name} device to build the Mosaic GPU kernel for: run on such a GPU, or "
+                           "compile under jax.set_mesh of its devices with JAX's CUDA plugin installed")
+
+
+def supports(*args: Any, **kwargs: Any) -> bool:
+    """`check_supported` as a bool."""
+    try:
+        check_supported(*args, **kwargs)
+    except NotSupported:
+        return False
+    return True
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, dims: lax.RaggedDotDimensionNumbers,
+                out_dtype: Any) -> jax.Array:
+    """tokamax's Mosaic GPU ragged_dot_general, built for the current target's device."""
+    tokamax = _tokamax()
+    device = compile_device()
+    if device is None:  # check_supported ran first; the context may have changed since
+        raise NotSupported(f"no {current_target().name} device to build the Mosaic GPU kernel for")
+    with jax.default_device(device), jax.named_scope(SCOPE):
+        return tokamax.ragged_dot_general(lhs, rhs, sizes, dims, preferred_element_type=out_dtype,
+                                          implementation="mosaic_gpu")
+
+
+def gmm_mosaic_gpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+                   out_dtype: Any = None) -> jax.Array:
+    """Grouped matmul on tokamax's Mosaic GPU kernel (forward only; gmm.py adds the VJP).
+
+    Args:
+      lhs: [T, K] bfloat16 / float16, rows sorted by group.
+      rhs: [G, K, N] (or [G, N, K] with transpose_rhs), lhs's dtype.
+      group_sizes: [G] int rows per group.
+      transpose_rhs: rhs is stored [G, N, K].
+      out_dtype: see `check_supported` (default: the input dtype).
+
+    Returns:
+      [T, N] in out_dtype: rows of group g are lhs[rows_g] @ rhs[g] (float32 accumulation); rows past
+      sum(group_sizes) are zeros.
+    """
+    num_rows, k_dim = lhs.shape
+    num_groups = rhs.shape[0]
+    n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, rhs.dtype))
+    check_supported(lhs.dtype, rhs.dtype, out_dtype, k_dim, n_dim)
+    if num_rows == 0 or k_dim == 0 or num_groups == 0 or n_dim == 0:
+        return jnp.zeros((num_rows, n_dim), out_dtype)
+    sizes, total = clamp_group_sizes(group_sizes, num_rows)
+    padded = _round_up(num_rows, GMM_ROW_MULTIPLE)
+    dims = _TRANSPOSED if transpose_rhs else _FORWARD
+
+    def call(lhs, rhs, sizes):
+        return _ragged_dot(_pad_rows(lhs, padded), rhs, sizes, dims, out_dtype)
+
+    out = run_manual(call, lhs, rhs, sizes)[:num_rows]
+    # the kernel leaves the row tiles no group owns unwritten
+    owned = jnp.arange(num_rows, dtype=jnp.int32)[:, None] < total
+    return jnp.where(owned, out, jnp.zeros((), out_dtype))
+
+
+def tgmm_mosaic_gpu(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, num_groups: int | None = None,
+                    out_dtype: Any = None) -> jax.Array:
+    """Per-group `lhs[rows_g].T @ grad[rows_g]` on tokamax's Mosaic GPU ragged-contraction kernel (sm_90).
+
+    Args:
+      lhs: [T, K]; grad: [T, N] (both bfloat16 or both float16), rows sorted by group.
+      group_sizes: [G] int rows per group.
+      num_groups: G (default group_sizes' length).
+      out_dtype: see `check_supported` (default: the input dtype).
+
+    Returns:
+      [G, K, N] in out_dtype; an empty group gives zeros, rows past sum(group_sizes) are ignored.
+    """
+    num_rows, k_dim = lhs.shape
+    n_dim = grad.shape[1]
+    num_groups = group_sizes.shape[0] if num_groups is None else int(num_groups)
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, grad.dtype))
+    check_supported(lhs.dtype, grad.dtype, out_dtype, k_dim, n_dim, op="tgmm")
+    if num_rows == 0 or k_dim == 0 or n_dim == 0 or num_groups == 0:
+        return jnp.zeros((num_groups, k_dim, n_dim), out_dtype)
+    sizes, _ = clamp_group_sizes(group_sizes, num_rows)
+    padded = _round_up(num_rows, TGMM_ROW_MULTIPLE)
+
+    def call(lhs, grad, sizes):
+        return _ragged_dot(_pad_rows(lhs, padded), _pad_rows(grad, padded), sizes, _CONTRACTING, out_dtype)
+
+    return run_manual(call, lhs, grad, sizes)
