@@ -29,11 +29,10 @@ On TPUs ("tpu" / "tpu_interpret") both ops run JAX's Mosaic megablox kernels thr
 tiling rule; `config` / `tgmm_config` are the Triton tilings and do not apply there). The custom VJP is the same
 for every implementation: a call that picked the TPU kernel runs its backward on it as well.
 
-On Hopper and Blackwell ("mosaic_gpu", what "auto" tries first for sm_90 / sm_100 where tokamax is installed)
-both ops run tokamax's Mosaic GPU ragged_dot through `mosaic_gpu_gmm.py` (tokamax's own tiling). Its backward
-takes each gradient from the Mosaic GPU kernel where that kernel supports it and from the Triton kernel
-otherwise: d lhs (a gmm of the cotangent) stays on Mosaic GPU for 16-bit cotangents; d rhs (tgmm) runs on
-Triton on sm_100, where tokamax has no weight-gradient kernel, and for cotangents it does not take.
+On Hopper and Blackwell, `implementation="mosaic_gpu"` (by name only; see `_select.py` for the H200 measurement
+that keeps "auto" on Triton) runs gmm through tokamax's Mosaic GPU ragged_dot (`mosaic_gpu_gmm.py`, tokamax's own
+tiling). Its backward takes d lhs (a gmm of the cotangent) from the Mosaic GPU kernel for 16-bit cotangents and
+d rhs (tgmm) from Triton: tokamax's weight-gradient kernel gave wrong results on an H200 and is never used.
 """
 
 from __future__ import annotations
