@@ -3,8 +3,9 @@ compiling the project's own programs for the target without its devices (jax >= 
 
 Modules: `hardware` (the targets' published figures), `topology` (target spelling -> deviceless topology),
 `weights` (the loader's parameter tree as abstract, sharded values), `programs` (prefill / decode / train
-steps as per-layer programs), `report` (what XLA says about a compiled program; the table), `driver` (mesh,
-compile, totals), `cli` (arguments and exit codes).
+steps as per-layer programs), `roofline` (the analytic FLOPs / HBM bytes of a step and its time floor),
+`report` (what XLA says about a compiled program; the table), `driver` (mesh, compile, totals), `cli`
+(arguments and exit codes).
 """
 
 from .hardware import HARDWARE, Hardware

@@ -8,11 +8,14 @@ Targets: a100-40gb, a100-80gb, h100, h200, b200 with an optional xN device count
 v5e:AxB, v6e:AxB, v5p:AxBxC. Figures per device: `hardware.HARDWARE`.
 
 JSON (--json F): target, platform, device_kind, devices, hosts, hbm_bytes_per_device, hardware, mesh, model,
-batch, seq, mode, derivation, and programs: [{program ('prefill', 'decode' or 'train'), bytes_per_device
-{weights, kv_cache, optimizer, activations_and_temps, total}, fits, devices_to_fit, weights_from_programs,
-kernels {name: calls per step}, collectives {all-to-all, all-reduce, all-gather, reduce-scatter,
-collective-permute: per step}, roofline {step_seconds_floor, bound, flops, bytes, tokens,
-tokens_per_second_ceiling, cost_source}, compile_seconds, parts: [per compiled program]}].
+batch, seq, mode, derivation, decode_rooflines, and programs: [{program ('prefill', 'decode' or 'train'),
+bytes_per_device {weights, kv_cache, optimizer, activations_and_temps, total}, fits, devices_to_fit,
+compile_errors (parts the compiler refused for lack of HBM), weights_from_programs, kernels {name: calls per
+step}, collectives {all-to-all, all-reduce, all-gather, reduce-scatter, collective-permute: per step}, roofline
+(analytic, `roofline.py`: {step_seconds_floor, bound, flops, bytes, tokens, tokens_per_second_ceiling,
+compute_seconds, memory_seconds, flops_terms, bytes_terms, routed_experts_read_per_layer, source}), xla_cost
+(XLA's own cost analysis, reference only: {flops, bytes, step_seconds, source, note}), compile_seconds, parts:
+[per compiled program]}].
 
 Exit codes: 0 fits; 2 bad input, no deviceless support, or a program that does not fit (the table and JSON are
 still written, then one line with the bytes needed, the HBM and the device count that would fit).
@@ -151,6 +154,8 @@ def _run(argv: list[str]) -> int:
         n = p["devices_to_fit"]
         fit = (f"about {n} devices of this kind would fit (experts split further)" if n is not None else
                "no device count fits with replicated dense weights")
+        if p["compile_errors"]:  # the compiler's own refusal (XLA:TPU: temporaries beyond the HBM)
+            fit = f"the compiler refused {p['compile_errors'][0][:200]}; {fit}"
         raise _Bad(f"{p['program']} needs {gib(p['bytes_per_device']['total'])} GiB per device, "
                    f"{target.spelling} has {gib(result['hbm_bytes_per_device'])} GiB of HBM per device; {fit}")
     return 0

@@ -5,6 +5,7 @@ deviceless and add up what one device needs and how fast a step can be. The resu
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -15,7 +16,8 @@ import jax.numpy as jnp
 
 from ..models.moe_block import _num_experts
 from .programs import Step, build_steps
-from .report import analyze
+from .report import COLLECTIVES, analyze
+from .roofline import roofline
 from .topology import Target, topology_of
 from .weights import AbstractModel, abstract_model, per_device_bytes
 
@@ -65,16 +67,47 @@ def devices_to_fit(model: AbstractModel, total: int, hbm: int) -> int | None:
 _DEVICELESS_OPTIONS = {"gpu": {"xla_gpu_autotune_level": 0, "xla_gpu_enable_cub_radix_sort": False}, "tpu": {}}
 
 
+#: XLA:TPU refuses to compile a program whose buffers exceed the chip's HBM; the message states what it needed
+_HBM_OOM = re.compile(r"memory required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def _oom_part(error: Exception, arg_bytes: dict[str, int], seconds: float) -> dict | None:
+    """The analysis of a part the compiler refused for lack of HBM (XLA:TPU's CompileTimeHbmOom): its transient
+    bytes are the temporaries the message states (XLA prints binary units) + its activation arguments; no cost,
+    kernels or collectives (nothing compiled). None for any other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "HbmOom" not in text:
+        return None
+    m = _HBM_OOM.search(text)
+    temps = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")) if m else None
+    return {"xla_memory": None, "argument_bytes": arg_bytes,
+            "transient_bytes": None if temps is None else temps + arg_bytes.get("activations", 0),
+            "flops": 0.0, "bytes": 0.0, "cost_source": None, "kernels": {}, "xla_kernels": {},
+            "collectives": dict.fromkeys(COLLECTIVES, 0), "compile_seconds": round(seconds, 2),
+            "compile_error": text.strip().splitlines()[0][:400]}
+
+
 def _compile_step(step: Step, mesh: Any, platform: str, log) -> tuple[list[dict], float]:
+    """Compiles every part of `step` for the target and analyzes it (`report.analyze`); a part the compiler
+    refuses for lack of HBM is recorded as such (`_oom_part`) and the step goes on."""
     parts = []
     for part in step.parts:
-        t0 = time.perf_counter()
-        with jax.set_mesh(mesh):
-            compiled = part.fn.lower(*part.args).compile(compiler_options=_DEVICELESS_OPTIONS[platform])
-        seconds = time.perf_counter() - t0
         arg_bytes = Counter()
         for tag, arg in zip(part.tags, part.args):
             arg_bytes[tag] += per_device_bytes(arg)
+        t0 = time.perf_counter()
+        try:
+            with jax.set_mesh(mesh):
+                compiled = part.fn.lower(*part.args).compile(compiler_options=_DEVICELESS_OPTIONS[platform])
+        except Exception as e:  # XLA raises its runtime error type; only an HBM refusal is a result
+            a = _oom_part(e, dict(arg_bytes), time.perf_counter() - t0)
+            if a is None:
+                raise
+            a.update(part=part.name, runs=part.count, layers=part.layers)
+            log(f"  {step.name}: {part.name} refused by the compiler: {a['compile_error'][:120]}")
+            parts.append(a)
+            continue
+        seconds = time.perf_counter() - t0
         a = analyze(compiled, dict(arg_bytes), seconds)
         a.update(part=part.name, runs=part.count, layers=part.layers)
         log(f"  {step.name}: {part.name} x{part.count} compiled in {seconds:.1f} s")
@@ -82,10 +115,50 @@ def _compile_step(step: Step, mesh: Any, platform: str, log) -> tuple[list[dict]
     return parts, sum(p["compile_seconds"] for p in parts)
 
 
+#: how the report's `roofline` is computed (the JSON's `derivation`; `roofline.py` has the full statement)
+ROOFLINE_DERIVATION = (
+    "roofline (analytic, per device, from the config and the weights' shapes; see tutel_jax/compile/roofline.py): "
+    "flops = 2 x tokens x the matrix parameters each token uses (attention, dense MLPs, routers, shared experts, "
+    "min(k, E) routed experts) + 2 x H x (d_qk + d_v) per causal (query, key) pair within each layer's window + "
+    "the LM head on the rows that get logits; bytes = every dense weight once + min(E, tokens x k) routed experts "
+    "per MoE layer in their stored (packed) format + the KV cache slots read and written; training: 3x the "
+    "forward's flops and weights, gradients, AdamW moments read and written; routed experts split over the "
+    "expert axis (ceil(touched / w) experts per device), dense weights and KV cache whole per device unless "
+    "split; floor = max(flops / peak bf16, bytes / HBM bandwidth). xla_cost: XLA's own cost analysis of the "
+    "compiled programs, reference only")
+#: what XLA's cost analysis misses, by the source of the numbers
+_XLA_COST_NOTES = {
+    "hlo-cost-analysis": ("the GPU compiler reports no cost; this is the host XLA's HLO cost analysis of the "
+                          "compiled GPU module, which counts custom calls (the project's Pallas / Triton "
+                          "kernels) as 0 flops and does not see what they read: an undercount wherever the kernels "
+                          "run"),
+    "xla": ("the compiler's cost analysis of the compiled program; XLA:TPU's 'bytes accessed' is no HBM floor "
+            "(for one gpt-oss-20b decode step it reports about 4e13 bytes, thousands of times the weights)"),
+}
+
+
+def _xla_cost(parts: list[dict], hw: Any) -> dict:
+    """XLA's own flops / bytes of a step (its parts' cost analysis x their runs) and the floor they would give:
+    kept for reference beside the analytic roofline, with a note saying what they miss."""
+    flops = sum(p["flops"] * p["runs"] for p in parts)
+    nbytes = sum(p["bytes"] * p["runs"] for p in parts)
+    source = next((p["cost_source"] for p in parts if p["cost_source"]), None)
+    if source is None:
+        return {"flops": None, "bytes": None, "step_seconds": None, "source": None,
+                "note": "no part of the step compiled"}
+    missing = [p["part"] for p in parts if p.get("compile_error")]
+    return {"flops": flops, "bytes": nbytes,
+            "step_seconds": max(flops / hw.peak_bf16_flops, nbytes / hw.hbm_bytes_per_s),
+            "source": source, "note": _XLA_COST_NOTES[source] + (
+                f"; parts the compiler refused are missing: {', '.join(missing)}" if missing else "")}
+
+
 def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: int, mode: str = "serve",
-                  dtype: Any = jnp.bfloat16, log=lambda msg: None) -> dict:
-    """The report of `config` on `target` (see `cli.py` for the JSON fields). ValueError for a config the
-    loader rejects; DevicelessUnavailable without the target's compiler."""
+                  dtype: Any = jnp.bfloat16, log=lambda msg: None, decode_batches: tuple[int, ...] = ()) -> dict:
+    """The report of `config` on `target` (see `cli.py` for the JSON fields). `decode_batches`: serving also
+    reports the analytic decode roofline at these batch sizes (same placement and seq; nothing compiled), as
+    `decode_rooflines` {batch: roofline}. ValueError for a config the loader rejects; DevicelessUnavailable
+    without the target's compiler."""
     hw = target.hardware
     topo = topology_of(target)
     mesh, description = choose_mesh(topo, config)
@@ -102,15 +175,13 @@ def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: in
         parts, compile_seconds = _compile_step(step, mesh, hw.platform, log)
         kv = per_device_bytes(step.kv_cache) if step.kv_cache is not None else 0
         opt = per_device_bytes(step.optimizer) if step.optimizer is not None else 0
-        act = max(p["transient_bytes"] for p in parts)
+        refused = [f"{p['part']}: {p['compile_error']}" for p in parts if p.get("compile_error")]
+        act = max((p["transient_bytes"] for p in parts if p["transient_bytes"] is not None), default=0)
         if train:  # each block's input is kept from the forward for its recomputed backward
             x = per_device_bytes(step.parts[1].args[2])
             act += x * sum(p["runs"] for p in parts[1:-1])
         total = weights + kv + opt + act
-        flops = sum(p["flops"] * p["runs"] for p in parts)
-        nbytes = sum(p["bytes"] * p["runs"] for p in parts)
-        floor = max(flops / hw.peak_bf16_flops, nbytes / hw.hbm_bytes_per_s)
-        tokens = batch if step.name == "decode" else batch * seq
+        analytic = roofline(model, step.name, batch, seq, hw, optimizer_bytes=opt)
         kernels, xla_kernels, collectives = Counter(), Counter(), Counter()
         for p in parts:
             kernels.update({k: v * p["runs"] for k, v in p["kernels"].items()})
@@ -120,17 +191,15 @@ def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: in
             "program": step.name,
             "bytes_per_device": {"weights": weights, "kv_cache": kv, "optimizer": opt,
                                  "activations_and_temps": act, "total": total},
-            "fits": total <= hw.hbm_bytes,
-            "devices_to_fit": None if total <= hw.hbm_bytes else devices_to_fit(model, total, hw.hbm_bytes),
+            "fits": total <= hw.hbm_bytes and not refused,
+            "devices_to_fit": None if total <= hw.hbm_bytes and not refused else devices_to_fit(model, total, hw.hbm_bytes),
+            "compile_errors": refused,
             "weights_from_programs": sum(p["argument_bytes"].get("weights", 0) * p["runs"] for p in parts),
             "kernels": dict(sorted(kernels.items())),
             "xla_kernels": dict(sorted(xla_kernels.items())),
             "collectives": {k: collectives.get(k, 0) for k in parts[0]["collectives"]},
-            "roofline": {"step_seconds_floor": floor,
-                         "bound": "compute" if flops / hw.peak_bf16_flops >= nbytes / hw.hbm_bytes_per_s else "memory",
-                         "flops": flops, "bytes": nbytes, "tokens": tokens,
-                         "tokens_per_second_ceiling": tokens / floor if floor > 0 else float("inf"),
-                         "cost_source": parts[0]["cost_source"]},
+            "roofline": analytic,
+            "xla_cost": _xla_cost(parts, hw),
             "compile_seconds": round(compile_seconds, 2),
             "parts": parts,
         })
@@ -151,9 +220,9 @@ def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: in
                        "twice); kv_cache: every layer's cache [B, Hkv, S, D]; optimizer: AdamW's two moments and "
                        "count; activations_and_temps: the largest program's XLA temp + unaliased outputs + "
                        "activation arguments" + (" + each block's saved input x blocks (train: blocks recompute "
-                       "their forward)" if train else "") + "; roofline: sum over the programs of XLA's flops and "
-                       "bytes accessed x their runs per step, floor = max(flops / peak bf16, bytes / HBM bandwidth)"),
+                       "their forward)" if train else "") + "; " + ROOFLINE_DERIVATION),
         "programs": programs,
+        "decode_rooflines": {str(b): roofline(model, "decode", b, seq, hw) for b in decode_batches if not train},
     }
 
 

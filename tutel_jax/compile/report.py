@@ -111,5 +111,12 @@ def format_table(result: dict) -> str:
             kern += " (XLA's own: " + ", ".join(f"{k} x{v}" for k, v in p["xla_kernels"].items()) + ")"
         coll = ", ".join(f"{k} x{v}" for k, v in p["collectives"].items() if v) or "none"
         lines.append(f"{p['program']}: kernels {kern}; collectives {coll}")
+        for error in p.get("compile_errors", []):
+            lines.append(f"{p['program']}: refused by the compiler: {error}")
+    for p in result["programs"]:
+        x = p["xla_cost"]
+        if x["step_seconds"] is not None:
+            lines.append(f"{p['program']}: XLA's own cost analysis (reference, not the floor): {x['flops']:.3g} flops, "
+                         f"{x['bytes']:.3g} bytes, {x['step_seconds'] * 1e3:.3f} ms ({x['source']})")
     lines += ["", f"how the totals are derived: {result['derivation']}"]
     return "\n".join(lines)

@@ -152,7 +152,7 @@ def topology_of(target: Target) -> Any:
     from jax.experimental import topologies
     if target.platform == "gpu":
         return topologies.get_topology_desc(target.hardware.name, platform="cuda",
-                                            target_config=gpu_target_config(target.hardware.device_kind),
+                                            target_config=gpu_target_config(target.hardware.gpu_target),
                                             topology=target.topology)
     # libtpu guards a local TPU with a lockfile; compiling touches no TPU, so other processes may hold it
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
