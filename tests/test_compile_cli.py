@@ -93,6 +93,14 @@ def test_bad_model_and_arguments_exit_2(capsys, tmp_path):
     _one_error_line(err, "--target")
 
 
+def test_execution_flags_are_shared_and_checked(capsys):
+    """The commands' shared execution flags: compile applies the kernel choice; other knobs are refused by name."""
+    rc, _, err = _run(capsys, str(FIXTURES / "qwen3_moe"), "--target", "h100", "--per-layer-jit", "on")
+    assert rc == 2 and "--per-layer-jit does not apply here" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = _run(capsys, str(FIXTURES / "qwen3_moe"), "--target", "h100", "--kernel-backend", "cuda")
+    assert rc == 2 and "--kernel-backend" in err and len(err.strip().splitlines()) == 1
+
+
 def test_config_missing_a_family_key_exits_2(capsys, tmp_path):
     config = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     del config["num_attention_heads"]

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import execution
 from .hardware import HARDWARE
 from .topology import DevicelessUnavailable, TargetError, parse_target
 
@@ -74,6 +75,7 @@ def _parser() -> _Parser:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the model's float dtype (default: the checkpoint's, config.json dtype / torch_dtype)")
     p.add_argument("--json", metavar="F", help="also write the report as JSON to F")
+    execution.add_arguments(p)
     return p
 
 
@@ -127,6 +129,10 @@ def _cpu_only() -> None:
 
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    try:  # the programs are the per-layer ones with the platform's paths; the kernels can be chosen
+        knobs = execution.from_arguments(args, allowed=("kernel_backend",))
+    except ValueError as e:
+        raise _Bad(str(e)) from None
     try:
         target = parse_target(args.target)
     except TargetError as e:
@@ -141,8 +147,9 @@ def _run(argv: list[str]) -> int:
     from .report import format_table, gib
     log = (lambda msg: print(msg, file=sys.stderr)) if sys.stderr.isatty() else (lambda msg: None)
     try:
-        result = compile_model(config, target, args.batch, args.seq, args.mode, jnp.dtype(_dtype(config, args.dtype)),
-                               log=log)
+        with execution.use_kernels(knobs.kernel_backend):  # the runtime level: every program compiled here
+            result = compile_model(config, target, args.batch, args.seq, args.mode,
+                                   jnp.dtype(_dtype(config, args.dtype)), log=log)
     except ValueError as e:  # e.g. experts that the mesh cannot split
         raise _Bad(f"{args.model}: {e}") from None
     print(format_table(result))
