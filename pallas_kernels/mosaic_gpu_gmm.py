@@ -52,7 +52,7 @@ from jax import lax
 
 from ._select import MOSAIC_GPU_TARGETS, NotSupported
 from .targets import Target, _default_device, _mesh_device, current_target, target_of_device, target_of_kind
-from .tpu_gmm import _auto_partitioned_axes, clamp_group_sizes, run_manual
+from .tpu_gmm import clamp_group_sizes, require_manual_axes, run_manual
 
 __all__ = ["MOSAIC_GPU_DTYPES", "DIM_MULTIPLE", "unavailable_reason", "check_supported", "supports",
            "gmm_mosaic_gpu", "tgmm_mosaic_gpu", "compile_device"]
@@ -162,10 +162,7 @@ def check_supported(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, k_dim: int, 
     if k_dim % DIM_MULTIPLE or n_dim % DIM_MULTIPLE:
         raise NotSupported(f"the Mosaic GPU grouped matmul needs K and N to be multiples of {DIM_MULTIPLE}, got "
                            f"K={k_dim}, N={n_dim}")
-    axes = _auto_partitioned_axes()
-    if axes:
-        raise NotSupported(f"Mosaic GPU kernels cannot be partitioned automatically (mesh axes {axes} are not "
-                           "manual); call the op inside shard_map")
+    require_manual_axes("Mosaic GPU")
     if compile_device(target) is None:
         raise NotSupported(f"no {target.name} device to build the Mosaic GPU kernel for: run on such a GPU, or "
                            "compile under jax.set_mesh of its devices with JAX's CUDA plugin installed")

@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ._select import NotSupported
 from ._util import cdiv
-from .tpu_gmm import _auto_partitioned_axes, run_manual
+from .tpu_gmm import require_manual_axes, run_manual
 
 __all__ = ["encode_tpu", "decode_tpu", "gather_rows_tpu", "check_supported", "default_block_rows", "MAX_TABLE",
            "BUFFER_BYTES"]
@@ -79,10 +79,7 @@ def check_supported(table_entries: int, dtype: Any, interpret: bool = False) -> 
     if table_entries > MAX_TABLE:
         raise NotSupported(f"index table of {table_entries} entries exceeds the SMEM budget ({MAX_TABLE})")
     if not interpret:
-        axes = _auto_partitioned_axes()
-        if axes:
-            raise NotSupported(f"Mosaic kernels cannot be partitioned automatically (mesh axes {axes} are not "
-                               "manual); call the op inside shard_map")
+        require_manual_axes()
 
 
 def _gather_kernel(index_ref, keep_ref, w_ref, src_hbm, out_ref, buf, sem, *, k, rows, padded_rows):

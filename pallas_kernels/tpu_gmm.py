@@ -93,6 +93,15 @@ def _auto_partitioned_axes() -> tuple[str, ...]:
     return tuple(name for name, size in zip(mesh.axis_names, mesh.axis_sizes) if size > 1 and name not in manual)
 
 
+def require_manual_axes(kind: str = "Mosaic") -> None:
+    """NotSupported when a mesh axis of size > 1 in context is not manual: XLA cannot partition `kind` kernels,
+    which therefore run inside `shard_map` (one call per device)."""
+    axes = _auto_partitioned_axes()
+    if axes:
+        raise NotSupported(f"{kind} kernels cannot be partitioned automatically (mesh axes {axes} are not "
+                           "manual); call the op inside shard_map")
+
+
 def check_supported(*dtypes: Any, interpret: bool = False) -> None:
     """Raises NotSupported unless the TPU kernels can run a call with these operand / output dtypes.
 
@@ -105,10 +114,7 @@ def check_supported(*dtypes: Any, interpret: bool = False) -> None:
         if jnp.dtype(dtype) not in TPU_DTYPES:
             raise NotSupported(f"the TPU grouped matmul takes float32 or bfloat16, got {jnp.dtype(dtype)}")
     if not interpret:
-        axes = _auto_partitioned_axes()
-        if axes:
-            raise NotSupported(f"Mosaic kernels cannot be partitioned automatically (mesh axes {axes} are not "
-                               "manual); call the op inside shard_map")
+        require_manual_axes()
 
 
 def _vma_check_off():

@@ -69,7 +69,7 @@ from ._select import NotSupported
 from ._util import cdiv
 from .quant import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e2m1_to_f32,
                     e8m0_to_f32)
-from .tpu_gmm import TPU_DTYPES, _auto_partitioned_axes, run_manual
+from .tpu_gmm import TPU_DTYPES, require_manual_axes, run_manual
 
 __all__ = ["quant_gmm_tpu", "check_supported", "default_tiling", "vmem_bytes", "work_items", "VMEM_BUDGET",
            "VMEM_LIMIT", "KERNEL_NAME"]
@@ -171,10 +171,7 @@ def check_supported(w: Any, x_dtype: Any, out_dtype: Any, num_rows: int, interpr
     num_groups, n_dim, k_dim = _shape_of(w)
     default_tiling(fmt, num_rows, k_dim, n_dim, num_groups, x_dtype, out_dtype)
     if not interpret:
-        axes = _auto_partitioned_axes()
-        if axes:
-            raise NotSupported(f"Mosaic kernels cannot be partitioned automatically (mesh axes {axes} are not "
-                               "manual); call the op inside shard_map")
+        require_manual_axes()
 
 
 # ------------------------------------------------------------------------------------------------ schedule
