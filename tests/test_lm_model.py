@@ -116,7 +116,7 @@ def test_random_tensors_tied_embeddings_and_errors():
         random_hf_tensors(config, dtype=np.int32)
     with pytest.raises(ValueError, match="initializer_range"):
         random_hf_tensors(dict(config, initializer_range=-1.0))
-    with pytest.raises(ValueError, match="missing key 'hidden_size'"):
+    with pytest.raises(ValueError, match="hidden_size: missing"):
         random_hf_tensors({k: v for k, v in config.items() if k != "hidden_size"})
 
 
