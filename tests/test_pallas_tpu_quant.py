@@ -216,8 +216,9 @@ def test_outside_shard_map_auto_falls_back_to_xla(v5p_mesh):
 
 def test_moe_layer_with_fp8_experts_holds_the_kernel(v5p_mesh):
     """An expert-parallel dropless SwiGLU layer with FP8-block experts (`make_config`, `moe_apply_parallel`),
-    default kernel settings: gate, up and down projections run on the kernel. The ragged exchange is asked for
-    because the default padded exchange runs experts on capacity buffers, which dequantize in XLA."""
+    default settings: gate, up and down projections run on the kernel (3 calls per path: the grouped rows of the
+    ragged exchange and its padded fallback, the capacity buffers at each bucket of the default padded
+    exchange)."""
     from tutel_jax import init_params, make_config
     from tutel_jax.parallel import ExpertParallel, moe_apply_parallel
 
@@ -232,10 +233,13 @@ def test_moe_layer_with_fp8_experts_holds_the_kernel(v5p_mesh):
     x = jax.ShapeDtypeStruct((world * 48, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("expert")))
     placement = ExpertParallel(mesh, expert_axes=("expert",))
 
-    def forward(p, x):
-        return moe_apply_parallel(p, x, config, placement, dropless_exchange="ragged")[0]
+    for exchange in ("ragged", None):
+        def forward(p, x):
+            kwargs = {} if exchange is None else {"dropless_exchange": exchange}
+            return moe_apply_parallel(p, x, config, placement, **kwargs)[0]
 
-    with jax.set_mesh(mesh):
-        hlo = jax.jit(forward).lower(params, x).compile().as_text()
-    names = _kernels(hlo)
-    assert len(names) == 3 and all(f"{tpu_quant_gmm.KERNEL_NAME}_fp8_block" in op for op in names), names
+        with jax.set_mesh(mesh):
+            hlo = jax.jit(forward).lower(params, x).compile().as_text()
+        names = _kernels(hlo)
+        assert names and all(f"{tpu_quant_gmm.KERNEL_NAME}_fp8_block" in op for op in names), names
+        assert len(names) % 3 == 0, names
