@@ -380,8 +380,6 @@ def _tgmm_impl(impl, tcfg, out_dtype, lhs, grad, group_sizes, num_groups):
     if impl in TPU_IMPLEMENTATIONS:
         return tpu_gmm.tgmm_tpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype,
                                 interpret=impl == "tpu_interpret")
-    if impl == "mosaic_gpu":
-        return mosaic_gpu_gmm.tgmm_mosaic_gpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype)
     return _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, tcfg, impl == "interpret")
 
 
@@ -395,11 +393,11 @@ def _gmm_fwd(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
     return out, (lhs, rhs, group_sizes)
 
 
-def _mosaic_or_triton(impl: str, *check_args: Any, op: str) -> str:
-    """A backward call of a "mosaic_gpu" forward: Mosaic GPU where its kernel takes the call, else Triton."""
+def _mosaic_or_triton(impl: str, *check_args: Any) -> str:
+    """A backward gmm of a "mosaic_gpu" forward: Mosaic GPU where its kernel takes the call, else Triton."""
     if impl != "mosaic_gpu":
         return impl
-    return "mosaic_gpu" if mosaic_gpu_gmm.supports(*check_args, op=op) else "pallas"
+    return "mosaic_gpu" if mosaic_gpu_gmm.supports(*check_args) else "pallas"
 
 
 def _gmm_bwd(impl, cfg, tcfg, transpose_rhs, out_dtype, res, g):
@@ -407,13 +405,12 @@ def _gmm_bwd(impl, cfg, tcfg, transpose_rhs, out_dtype, res, g):
     num_groups = rhs.shape[0]
     k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
     # d lhs = g @ rhs[g].T: the same kernel reading rhs the other way round (no transposed copy)
-    dlhs_impl = _mosaic_or_triton(impl, g.dtype, rhs.dtype, lhs.dtype, n_dim, k_dim, op="gmm")
+    dlhs_impl = _mosaic_or_triton(impl, g.dtype, rhs.dtype, lhs.dtype, n_dim, k_dim)
+    drhs_impl = "pallas" if impl == "mosaic_gpu" else impl  # the weight gradient is always Triton's there
     dlhs = _gmm_impl(dlhs_impl, cfg, tcfg, not transpose_rhs, lhs.dtype, g, rhs, group_sizes)
     if transpose_rhs:  # rhs [G, N, K]: d rhs[g] = g[rows_g].T @ lhs[rows_g]
-        drhs_impl = _mosaic_or_triton(impl, g.dtype, lhs.dtype, rhs.dtype, n_dim, k_dim, op="tgmm")
         drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, g, lhs, group_sizes, num_groups)
     else:
-        drhs_impl = _mosaic_or_triton(impl, lhs.dtype, g.dtype, rhs.dtype, k_dim, n_dim, op="tgmm")
         drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, lhs, g, group_sizes, num_groups)
     # inside shard_map: replicated weights get the sum of the shards' gradients
     return tpu_gmm.sum_to_primal_vma(dlhs, lhs), tpu_gmm.sum_to_primal_vma(drhs, rhs), None
@@ -428,10 +425,9 @@ def _tpu_check(implementation, *dtypes):
     return lambda: tpu_gmm.check_supported(*dtypes, interpret=interpret)
 
 
-def _mosaic_gpu_check(*args, op: str = "gmm"):
-    """The Mosaic GPU kernel's NotSupported check for `choose` (forward only: the backward falls back per
-    gradient, see `_gmm_bwd`)."""
-    return lambda: mosaic_gpu_gmm.check_supported(*args, op=op)
+def _mosaic_gpu_check(*args):
+    """The Mosaic GPU kernel's NotSupported check for `choose` (gmm only; see `_gmm_bwd` for the backward)."""
+    return lambda: mosaic_gpu_gmm.check_supported(*args)
 
 
 def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
@@ -508,8 +504,6 @@ def tgmm(
     if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"tgmm needs lhs [T, K] and grad [T, N], got {lhs.shape} and {grad.shape}")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
-    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype),
-                  mosaic_gpu=_mosaic_gpu_check(lhs.dtype, grad.dtype, out_dtype, lhs.shape[1], grad.shape[1],
-                                               op="tgmm"))
+    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype))
     cfg = config or default_tgmm_config(lhs.shape[1], grad.shape[1], lhs.dtype)
     return _tgmm_impl(impl, cfg, out_dtype, lhs, grad, group_sizes.astype(jnp.int32), group_sizes.shape[0])

@@ -1,10 +1,10 @@
 """Grouped matmul on Mosaic GPU kernels (Hopper sm_90, Blackwell sm_100) through tokamax's `ragged_dot`.
 
     gmm_mosaic_gpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
-    tgmm_mosaic_gpu(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]            (sm_90 only)
 
-Semantics are gmm.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros (gmm) and are
-ignored (tgmm); a group that extends past T is cut at T; an empty group gives a zero [K, N] block (tgmm).
+Semantics are gmm.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; a group that
+extends past T is cut at T. The weight gradient (tgmm) is never run here: tokamax's ragged-contraction kernel
+gave wrong results on an H200 (benchmarks/results/mosaic_gpu_gmm_h200.txt), so it stays on Triton.
 
 tokamax (PyPI `tokamax`, an optional dependency: Python >= 3.12, jax >= 0.11.1) ships Pallas Mosaic GPU kernels
 for `ragged_dot`: a wgmma kernel for sm_90 with a ragged-contraction (weight-gradient) variant, and a tcgen05
@@ -13,9 +13,8 @@ with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, 
 `GmmConfig` tilings are Triton's and do not apply) and adapts the semantics around it:
 
 - group sizes are clamped to T first, so no group reaches past the rows that exist;
-- rows: Mosaic GPU's TMA tiles need the row count of lhs to be a multiple of 8 (gmm: rows are the major dim)
-  and of 64 for tgmm (there the rows are the contracted, minor dim of the transposed lhs), so lhs / grad get
-  zero rows appended; the padding lies past the last group;
+- rows: Mosaic GPU's TMA tiles need the row count of lhs to be a multiple of 8, so lhs gets zero rows
+  appended; the padding lies past the last group;
 - rows past the last group: the kernel never writes the row tiles no group owns, so the output is masked to
   zero there (one select, fused with the slice back to T);
 - which kernel tokamax builds (sm_90 or sm_100) follows the compute capability of JAX's default device. On the
@@ -30,14 +29,12 @@ Limits (`check_supported` raises NotSupported, and "auto" moves on to the Triton
   `jax.default_matmul_precision`); the output bf16 / f16 / float32 on sm_90, the input dtype on sm_100 (a
   float32 output tile does not fit the sm_100 kernel's shared memory at tokamax's tiling);
 - K and N multiples of 64 (the 128-byte swizzled tile of 16-bit elements; the TMA descriptors need it);
-- tgmm on sm_90 only: on sm_100 the weight gradient runs the Triton tgmm;
 - on a multi-device mesh every mesh axis of size > 1 must be manual (inside `shard_map`): like Mosaic TPU
   kernels, these are not partitioned by XLA.
 
 Numerics: Mosaic GPU kernels run only on a GPU (Pallas' interpreter does not run them, and tokamax exposes no
-interpret mode for them); `benchmarks/gpu_kernels.py` checks them against `gmm_reference` on a device.
-tokamax's tgmm kernel masks lhs outside each group but not grad, so a non-finite grad row past the last group
-would reach the gradient (the Triton tgmm masks both).
+interpret mode for them); `benchmarks/gpu_kernels.py` and `benchmarks/mosaic_gpu_gmm.py` check them against
+`gmm_reference` on a device.
 """
 
 from __future__ import annotations
@@ -55,16 +52,14 @@ from .targets import Target, _default_device, _mesh_device, current_target, targ
 from .tpu_gmm import clamp_group_sizes, require_manual_axes, run_manual
 
 __all__ = ["MOSAIC_GPU_DTYPES", "DIM_MULTIPLE", "unavailable_reason", "check_supported", "supports",
-           "gmm_mosaic_gpu", "tgmm_mosaic_gpu", "compile_device"]
+           "gmm_mosaic_gpu", "compile_device"]
 
 #: input dtypes of tokamax's non-quantized Mosaic GPU kernels (lhs and rhs alike)
 MOSAIC_GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: K and N must be multiples of this (a 128-byte swizzle tile of 16-bit elements)
 DIM_MULTIPLE = 64
-#: row padding of lhs: gmm (rows = the major dim of a TMA tile) and tgmm (rows = the contracted minor dim)
+#: row padding of lhs (rows are the major dim of a TMA tile)
 GMM_ROW_MULTIPLE = 8
-TGMM_ROW_MULTIPLE = 64
-#: the weight gradient (ragged contraction) has a Mosaic GPU kernel on these targets only
 #: a named scope around the kernel: its custom call's op name says where it comes from
 SCOPE = "tutel_gmm_mosaic_gpu"
 
@@ -72,8 +67,6 @@ _FORWARD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([],
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 _TRANSPOSED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-_CONTRACTING = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +143,7 @@ def check_supported(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, k_dim: int, 
         # on an H200 (tokamax 0.0.17, jax 0.11.2) its weight-gradient kernel differed from the reference by
         # 0.24-0.36 of the largest value, where the forward matched to 5e-7: never used
         raise NotSupported("the Mosaic GPU weight-gradient path (tokamax's ragged contraction through "
-                           "tgmm_mosaic_gpu) gave wrong results on an H200; tgmm runs on Triton")
+                           "ragged_dot_general) gave wrong results on an H200; tgmm runs on Triton")
     lhs_dtype, rhs_dtype, out_dtype = (jnp.dtype(d) for d in (lhs_dtype, rhs_dtype, out_dtype))
     if lhs_dtype != rhs_dtype or lhs_dtype not in MOSAIC_GPU_DTYPES:
         raise NotSupported(f"the Mosaic GPU grouped matmul takes two bfloat16 or two float16 operands, got "
@@ -230,32 +223,3 @@ def gmm_mosaic_gpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tr
     # the kernel leaves the row tiles no group owns unwritten
     owned = jnp.arange(num_rows, dtype=jnp.int32)[:, None] < total
     return jnp.where(owned, out, jnp.zeros((), out_dtype))
-
-
-def tgmm_mosaic_gpu(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, num_groups: int | None = None,
-                    out_dtype: Any = None) -> jax.Array:
-    """Per-group `lhs[rows_g].T @ grad[rows_g]` on tokamax's Mosaic GPU ragged-contraction kernel (sm_90).
-
-    Args:
-      lhs: [T, K]; grad: [T, N] (both bfloat16 or both float16), rows sorted by group.
-      group_sizes: [G] int rows per group.
-      num_groups: G (default group_sizes' length).
-      out_dtype: see `check_supported` (default: the input dtype).
-
-    Returns:
-      [G, K, N] in out_dtype; an empty group gives zeros, rows past sum(group_sizes) are ignored.
-    """
-    num_rows, k_dim = lhs.shape
-    n_dim = grad.shape[1]
-    num_groups = group_sizes.shape[0] if num_groups is None else int(num_groups)
-    out_dtype = jnp.dtype(out_dtype or jnp.result_type(lhs.dtype, grad.dtype))
-    check_supported(lhs.dtype, grad.dtype, out_dtype, k_dim, n_dim, op="tgmm")
-    if num_rows == 0 or k_dim == 0 or n_dim == 0 or num_groups == 0:
-        return jnp.zeros((num_groups, k_dim, n_dim), out_dtype)
-    sizes, _ = clamp_group_sizes(group_sizes, num_rows)
-    padded = _round_up(num_rows, TGMM_ROW_MULTIPLE)
-
-    def call(lhs, grad, sizes):
-        return _ragged_dot(_pad_rows(lhs, padded), _pad_rows(grad, padded), sizes, _CONTRACTING, out_dtype)
-
-    return run_manual(call, lhs, grad, sizes)
