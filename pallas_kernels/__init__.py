@@ -1,17 +1,17 @@
 """Pallas kernels for tutel-jax: gating, dispatch/combine, grouped matmul, quantized matmul.
 
-Every op pairs a plain-JAX reference with a Pallas kernel (Triton backend, tiled per GPU target, see targets.py
-and the offline compile in offline/; Mosaic TPU kernels for gmm / tgmm, encode / decode and quant_gmm,
-tpu_gmm.py, tpu_dispatch.py and tpu_quant_gmm.py; on sm_90 / sm_100, gmm and tgmm through tokamax's Mosaic GPU
-ragged_dot where tokamax is installed, mosaic_gpu_gmm.py) and has the signature
-`op(..., implementation="auto", config=None)`:
+One folder per op (tokamax's layout): `reference.py` holds the op's semantics in plain JAX, `api.py` the op with
+its backend choice (and custom VJP), and each backend sits beside them: `pallas_triton.py` (NVIDIA and AMD GPUs,
+tiled per GPU target, see targets.py and the offline compile in offline/), `pallas_mosaic_tpu.py` (TPUs),
+`pallas_mosaic_gpu.py` (tokamax's Mosaic GPU ragged_dot on Hopper / Blackwell, by name only). Every op has the
+signature `op(..., implementation="auto", config=None)`. The package depends on JAX only:
 
-| op | module | reference |
+| op | folder | reference |
 |---|---|---|
-| `gating`, `slot_positions` | gating.py | softmax/sigmoid(+bias, group-limited) -> top-k -> Tutel slots |
-| `encode`, `decode`, `permute`, `unpermute` | dispatch.py | index gathers of `tutel_jax/dispatch.py` |
-| `gmm`, `tgmm` | gmm.py | `lax.ragged_dot` (custom VJP: d lhs = gmm, d rhs = tgmm) |
-| `quant_matmul`, `quant_gmm` | quant_matmul.py | dequantize (quant.py) then float32 matmul |
+| `gating`, `slot_positions` | gating/ | softmax/sigmoid(+bias, group-limited) -> top-k -> Tutel slots |
+| `encode`, `decode`, `permute`, `unpermute` | dispatch/ | index gathers with custom VJPs |
+| `gmm`, `tgmm` | gmm/ | `lax.ragged_dot` (custom VJP: d lhs = gmm, d rhs = tgmm) |
+| `quant_matmul`, `quant_gmm` | quant/ | dequantize (quant/formats.py) then float32 matmul |
 
 `implementation`: "auto" (the kernel of the platform the program is compiled for: Triton on GPUs, Mosaic on
 TPUs where the op has one, with the XLA reference as fallback; the reference on CPUs; see `_select.py`;
@@ -26,15 +26,16 @@ from ._select import (ENV_VAR, IMPLEMENTATIONS, NotSupported, choose, environmen
 from .targets import (DEFAULT_TARGET, PLATFORMS, TARGETS, Target, compile_platform, current_target, get_target,
                       lowering_context, use_target)
 from .dispatch import (DispatchConfig, decode, decode_reference, default_dispatch_config, encode,
-                       encode_reference, grouped_rows, permute, row_dots_reference, unpermute)
+                       encode_reference, gather_encode, grouped_rows, permute, row_dots_reference, slot_owner,
+                       unpermute)
 from .gating import (GatingConfig, GatingResult, default_gating_config, gating, gating_reference, slot_positions,
                      slot_positions_reference)
 from .gmm import (GmmConfig, default_gmm_config, default_tgmm_config, gmm, gmm_reference, group_metadata, tgmm,
                   tgmm_reference)
 from .quant import (E2M1_LUT, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, dequant_fp8_block,
                     dequant_mxfp4, dequant_nvfp4, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4)
-from .quant_matmul import (QuantMatmulConfig, default_quant_config, quant_gmm, quant_gmm_reference, quant_matmul,
-                           quant_matmul_reference)
+from .quant import (QuantMatmulConfig, default_quant_config, quant_gmm, quant_gmm_reference, quant_matmul,
+                    quant_matmul_reference)
 
 __all__ = [
     # selection
@@ -48,7 +49,7 @@ __all__ = [
     "slot_positions_reference",
     # dispatch
     "DispatchConfig", "default_dispatch_config", "encode", "decode", "permute", "unpermute", "grouped_rows",
-    "encode_reference", "decode_reference", "row_dots_reference",
+    "encode_reference", "decode_reference", "row_dots_reference", "gather_encode", "slot_owner",
     # grouped matmul
     "GmmConfig", "default_gmm_config", "default_tgmm_config", "gmm", "tgmm", "gmm_reference", "tgmm_reference",
     "group_metadata",

@@ -34,8 +34,7 @@ from typing import Callable, Literal
 from .targets import compile_platform, current_target
 
 __all__ = ["ENV_VAR", "IMPLEMENTATIONS", "AUTO_ORDER", "Implementation", "NotSupported", "resolve", "resolved_name",
-           "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice", "MOSAIC_GPU_TARGETS",
-           "mosaic_gpu_unavailable"]
+           "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice", "MOSAIC_GPU_TARGETS"]
 
 ENV_VAR = "TUTEL_JAX_KERNELS"
 #: concrete implementations, in the order "auto" tries them on a GPU
@@ -81,27 +80,13 @@ def environment_choice() -> str | None:
     return None if name == "auto" else name
 
 
-def mosaic_gpu_unavailable() -> str | None:
-    """Why the Mosaic GPU grouped matmul cannot be traced now (tokamax missing, or a target other than sm_90 /
-    sm_100), or None when it can be tried (the op's own check still decides per call)."""
-    from . import mosaic_gpu_gmm  # lazy: that module imports this one
-    reason = mosaic_gpu_gmm.unavailable_reason()
-    if reason is not None:
-        return reason
-    target = current_target().name
-    if target not in MOSAIC_GPU_TARGETS:
-        return (f"the Mosaic GPU kernels (tokamax) target {' and '.join(MOSAIC_GPU_TARGETS)}; this program is traced "
-                f"for {target}")
-    return None
-
-
 def resolve(implementation: str | None = "auto", mosaic_gpu: bool = False) -> tuple[str, ...]:
     """The implementations a call will try, in order.
 
     Args:
       implementation: "auto" (or None), "xla", "pallas", "interpret", "tpu", "tpu_interpret" or "mosaic_gpu".
       mosaic_gpu: the op has a Mosaic GPU kernel: "auto" on a GPU puts it first where it can be tried
-        (`mosaic_gpu_unavailable` is None).
+        (`gmm.pallas_mosaic_gpu.mosaic_gpu_unavailable` is None).
 
     Returns:
       A non-empty tuple of concrete names; more than one only for "auto" on a GPU or TPU (kernel(s), then XLA).
@@ -133,8 +118,7 @@ def choose(implementation: str | None, check: Callable[[], None] | None = None,
       tpu: whether the op has a Mosaic TPU kernel (False: "tpu" is not supported), or that kernel's check
         (a callable as `check`).
       mosaic_gpu: whether the op has a Mosaic GPU kernel (False: "mosaic_gpu" is not supported and "auto" never
-        tries it), or that kernel's check (a callable as `check`); either way tokamax and an sm_90 / sm_100
-        target are checked first.
+        tries it), or that kernel's check (a callable as `check`: tokamax, the target, then the call).
 
     Returns:
       "xla", "pallas", "interpret", "tpu", "tpu_interpret" (the last two only where `tpu` is not False) or
@@ -146,7 +130,7 @@ def choose(implementation: str | None, check: Callable[[], None] | None = None,
         if name in TPU_IMPLEMENTATIONS:
             kernel_check = _no_tpu_kernel if tpu is False else (None if tpu is True else tpu)
         elif name == "mosaic_gpu":
-            kernel_check = _no_mosaic_gpu_kernel if mosaic_gpu is False else _mosaic_gpu_check(mosaic_gpu)
+            kernel_check = _no_mosaic_gpu_kernel if mosaic_gpu is False else (None if mosaic_gpu is True else mosaic_gpu)
         if name == "xla" or kernel_check is None:
             return name
         try:
@@ -164,14 +148,3 @@ def _no_tpu_kernel() -> None:
 
 def _no_mosaic_gpu_kernel() -> None:
     raise NotSupported("this op has no Mosaic GPU kernel (only gmm has one, through tokamax); use 'pallas' on GPUs")
-
-
-def _mosaic_gpu_check(op_check: bool | Callable[[], None]) -> Callable[[], None]:
-    """tokamax and the target first (a clear reason), then the op's own check."""
-    def check() -> None:
-        reason = mosaic_gpu_unavailable()
-        if reason is not None:
-            raise NotSupported(reason)
-        if callable(op_check):
-            op_check()
-    return check

@@ -30,12 +30,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any, Iterator
 
 import jax
 
 __all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "PLATFORMS", "current_target", "use_target", "target_of_device",
-           "target_of_kind", "compile_platform", "platform_name", "lowering_context", "get_target"]
+           "target_of_kind", "compile_platform", "platform_name", "lowering_context", "get_target",
+           "DevicelessUnavailable", "cuda_plugin_dir", "gpu_target_config", "gpu_topology", "compile_only_device"]
 
 #: the platforms a program can be compiled for, as `compile_platform` names them
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -219,3 +223,61 @@ def lowering_context(name: str | Target) -> Iterator[Target]:
     mesh = _abstract_gpu_mesh(target)
     with use_target(target), (jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
         yield target
+
+
+# ------------------------------------------------------------------------------- deviceless GPU compiles
+
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+class DevicelessUnavailable(RuntimeError):
+    """This JAX cannot compile for the GPU without one (the message says what to install)."""
+
+
+def cuda_plugin_dir() -> Path | None:
+    """The directory of JAX's installed CUDA plugin (the one holding `xla_cuda_plugin.so`), or None."""
+    for name in _CUDA_PLUGINS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            d = Path(list(spec.submodule_search_locations)[0])
+            if (d / "xla_cuda_plugin.so").is_file():
+                return d
+    return None
+
+
+def gpu_target_config(device_kind: str) -> str:
+    """The GpuTargetConfigProto text of the GPU model `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'), which XLA's
+    GPU compiler needs to compile without the GPU. The CUDA plugin carries one per model: the block from
+    `gpu_device_info {` to the line `device_description_str: "<kind>"`."""
+    d = cuda_plugin_dir()
+    if d is None:
+        raise DevicelessUnavailable('the CUDA plugin of jax is not installed: pip install "tutel-jax[cuda12]"')
+    data = (d / "xla_cuda_plugin.so").read_bytes()
+    tail = f'device_description_str: "{device_kind}"\n'.encode()
+    end = data.find(tail)
+    start = data.rfind(b"gpu_device_info {", 0, end) if end >= 0 else -1
+    if start < 0:
+        raise DevicelessUnavailable(f"the installed CUDA plugin has no target description of {device_kind!r}; "
+                                    'a newer one may: pip install -U "tutel-jax[cuda12]"')
+    return data[start:end + len(tail)].decode()
+
+
+def gpu_topology(device_kind: str, devices: int = 1, name: str = "gpu") -> Any:
+    """A `jax.experimental.topologies` description of `devices` GPUs of `device_kind` on one host (topology
+    1x1xN); its `.devices` are compile-only. Needs JAX >= 0.12 and the CUDA plugin."""
+    from jax.experimental import topologies  # lazy: a large module that only deviceless compiles need
+    return topologies.get_topology_desc(name, platform="cuda", target_config=gpu_target_config(device_kind),
+                                        topology=f"1x1x{int(devices)}")
+
+
+@functools.lru_cache(maxsize=None)
+def compile_only_device(device_kind: str) -> jax.Device | None:
+    """One compile-only GPU of `device_kind`, or None where none can be made (no CUDA plugin, an old JAX, a
+    plugin without that model)."""
+    try:
+        return gpu_topology(device_kind).devices[0]
+    except Exception:  # noqa: BLE001 - any failure means: no such device here
+        return None

@@ -260,7 +260,7 @@ def test_an_hbm_refusal_is_a_result_other_errors_are_not():
 def _deviceless_missing() -> str | None:
     if tuple(int(p) for p in jax.__version__.split(".")[:2]) < topology.MIN_JAX:
         return f"deviceless compiles need jax >= 0.12, this is jax {jax.__version__}"
-    if topology._cuda_plugin_dir() is None:
+    if topology.cuda_plugin_dir() is None:
         return "the CUDA plugin of jax (jax-cuda12-plugin) is not installed"
     if importlib.util.find_spec("libtpu") is None:
         return "libtpu is not installed"

@@ -12,8 +12,8 @@ import pytest
 import pallas_kernels as pk
 
 # the modules (the package exports functions of the same names)
-gating, gmm, quant_matmul, dispatch = (importlib.import_module(f"pallas_kernels.{m}")
-                                       for m in ("gating", "gmm", "quant_matmul", "dispatch"))
+gating, gmm, quant, dispatch = (importlib.import_module(f"pallas_kernels.{m}")
+                                for m in ("gating", "gmm", "quant", "dispatch"))
 
 
 def _device(platform, capability="", kind=""):
@@ -70,7 +70,7 @@ def test_unknown_target_is_a_clear_error():
 
 
 def test_every_table_covers_every_target():
-    for table in (gmm.GMM_TILINGS, gmm.TGMM_TILINGS, quant_matmul.QUANT_TILINGS, gating.GATING_TILINGS,
+    for table in (gmm.GMM_TILINGS, gmm.TGMM_TILINGS, quant.QUANT_TILINGS, gating.GATING_TILINGS,
                   dispatch.DISPATCH_TILINGS):
         assert set(table) == set(pk.TARGETS)
     assert not pk.TARGETS["sm_80"].fp8_convert and pk.TARGETS["sm_90"].fp8_convert
@@ -84,19 +84,19 @@ def test_defaults_follow_the_target():
         assert gmm.default_gmm_config(4096, 1024, 1024, 8, jnp.bfloat16).num_stages == 2
     with pk.use_target("sm_90"):
         assert gmm.default_gmm_config(4096, 1024, 1024, 8, jnp.bfloat16).num_stages == 3
-    assert quant_matmul.default_quant_config(4096, 1024, 1024, 8, target="sm_80").block_n == 64
-    assert quant_matmul.default_quant_config(4096, 1024, 1024, 8, target="sm_90").block_n == 128
+    assert quant.default_quant_config(4096, 1024, 1024, 8, target="sm_80").block_n == 64
+    assert quant.default_quant_config(4096, 1024, 1024, 8, target="sm_90").block_n == 128
 
 
 @pytest.mark.parametrize("target", sorted(pk.TARGETS))
 def test_candidates_hold_every_default(target):
     """What the defaults pick at the model families' shapes is among the tilings the compile gate builds."""
     gmm_candidates = set(gmm.tiling_candidates(target, "gmm").values())
-    quant_candidates = {c for c in quant_matmul.tiling_candidates(target).values()}
+    quant_candidates = {c for c in quant.tiling_candidates(target).values()}
     for rows in (8, 64, 512, 4096, 16384):
         for groups in (8, 32, 128, 256):
             for dtype in (jnp.bfloat16, jnp.float32):
                 cfg = gmm.default_gmm_config(rows, 4096, 4096, groups, dtype, target=target)
                 assert cfg in gmm_candidates, (rows, groups, dtype, cfg)
-                q = quant_matmul.default_quant_config(rows, 4096, 4096, groups, dtype, target=target)
+                q = quant.default_quant_config(rows, 4096, 4096, groups, dtype, target=target)
                 assert dataclasses.replace(q, split_k=1) in quant_candidates, (rows, groups, dtype, q)

@@ -1,8 +1,8 @@
 """Mosaic TPU kernels through Pallas' interpreter ("tpu_interpret") on CPU, against independent references.
 
-- gmm / tgmm (tpu_gmm.py, JAX's megablox kernels): `lax.ragged_dot` / `lax.ragged_dot_general`, and gradients
+- gmm / tgmm (gmm/pallas_mosaic_tpu.py, JAX's megablox kernels): `lax.ragged_dot` / `lax.ragged_dot_general`, and gradients
   through jax.grad against the gradients of `lax.ragged_dot` itself.
-- encode / decode / permute / unpermute (tpu_dispatch.py): `tutel_jax.dispatch` (plain index gathers).
+- encode / decode / permute / unpermute (dispatch/pallas_mosaic_tpu.py): the plain index gathers of dispatch/reference.py.
 - implementation choice: "auto" for a program compiled for a TPU picks "tpu" for these ops, "xla" for ops
   without a TPU kernel, for unsupported dtypes and for calls XLA would have to partition.
 
@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels import tpu_dispatch, tpu_gmm
+from pallas_kernels.dispatch import pallas_mosaic_tpu as tpu_dispatch
+from pallas_kernels.gmm import pallas_mosaic_tpu as tpu_gmm
 from tutel_jax import dispatch as tutel_dispatch
 
 from test_pallas_base import assert_close, random_normal
@@ -70,7 +71,7 @@ def test_gmm_forward(rows, k, n, sizes, dtype, tiling):
     lhs = random_normal(rows, (rows, k), dtype)
     rhs = random_normal(k, (len(sizes), k, n), dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
-    if tiling is None:  # the op: "tpu_interpret" through gmm.py, default tiling
+    if tiling is None:  # the op: "tpu_interpret" through the op, default tiling
         out = jax.jit(lambda a, b, s: pk.gmm(a, b, s, implementation=TPU))(lhs, rhs, sizes)
     else:
         out = jax.jit(lambda a, b, s: tpu_gmm.gmm_tpu(a, b, s, interpret=True, tiling=tiling))(lhs, rhs, sizes)

@@ -1,13 +1,11 @@
-"""Index-based dispatch (encode) and combine (decode), each the other's transpose.
+"""Tutel's dispatch (fast_encode) and combine (fast_decode) on a routing plan, and the dropless permute pair.
 
-Both directions are gathers:
+The ops are `pallas_kernels.dispatch`'s index gathers, each the other's transpose:
   encode:  D[slot] = w[a] * x[token(a)]     for the assignment a that owns the slot (zero for an empty slot)
   decode:  y[s]    = sum_j w_j[s] * O[slot_j(s)]   (zero for a dropped assignment)
-The custom VJPs make the gradient of each one the other one (plus k*S dot products for the gate weights), so
-backward is gathers too and never a scatter-add over [E, C, M]. Work is O(k * S * M); no one-hot [S, E, C]
-tensor is ever formed.
-
-The same pair serves two layouts:
+`encode` / `decode` here are their plain-JAX references (custom VJPs: backward is gathers too, never a
+scatter-add over [E, C, M]; no one-hot [S, E, C] tensor is ever formed); a kernel backend replaces them where
+`execution.kernels` resolves to one. This module maps a plan onto slots:
   - the capacity buffer [E, C, M]: slot = expert * C + location, dropped when location >= capacity;
   - the dropless grouped layout [k*S, M], rows sorted by expert: slot = start(expert) + location.
 """
@@ -20,6 +18,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.dispatch import decode_reference as decode
+from pallas_kernels.dispatch import encode_reference as encode
+from pallas_kernels.dispatch import gather_encode, grouped_rows, slot_owner
 
 from . import execution
 from .routing.plan import RoutingPlan
@@ -28,99 +29,6 @@ __all__ = [
     "encode", "decode", "fast_encode", "fast_decode", "buffer_slots", "grouped_slots", "group_row_experts",
     "assignment_weights",
 ]
-
-
-def _slot_owner(slots: jax.Array, num_slots: int) -> jax.Array:
-    """[num_slots] int32 index into the flattened [k*S] assignments that fills each slot (k*S when empty)."""
-    num_assign = slots.size
-    owner = jnp.full((num_slots,), num_assign, jnp.int32)
-    return owner.at[slots.reshape(-1)].set(jnp.arange(num_assign, dtype=jnp.int32), mode="drop")
-
-
-def _encode_impl(x, weights, slots, num_slots):
-    k, num_tokens = weights.shape
-    owner = _slot_owner(slots, num_slots)
-    token = jnp.where(owner < k * num_tokens, owner % num_tokens, num_tokens)
-    rows = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
-    w = jnp.take(weights.reshape(-1), owner, mode="fill", fill_value=0)
-    return rows * w[:, None].astype(rows.dtype)
-
-
-def _decode_impl(data, weights, slots):
-    out = None
-    for j in range(weights.shape[0]):  # k is small; summing in choice order matches Tutel
-        rows = jnp.take(data, slots[j], axis=0, mode="fill", fill_value=0)
-        term = rows * weights[j][:, None].astype(rows.dtype)
-        out = term if out is None else out + term
-    return out
-
-
-def _assignment_dots(a, b, weights, slots):
-    """[k, S] dot products <a[s], b[slot_j(s)]>, zero for dropped assignments (one gather for all k)."""
-    k, num_tokens = slots.shape
-    rows = jnp.take(b, slots.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(k, num_tokens, -1)
-    dots = jnp.einsum("ksm,sm->ks", rows.astype(jnp.float32), a.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-    return dots.astype(weights.dtype)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def encode(x: jax.Array, weights: jax.Array, slots: jax.Array, num_slots: int) -> jax.Array:
-    """Scatters tokens into slots by gathering.
-
-    Args:
-      x: [S, M] tokens.
-      weights: [k, S] weight applied to each assignment.
-      slots: [k, S] int32 flat slot of each assignment; a value outside [0, num_slots) means dropped.
-      num_slots: number of rows of the output.
-
-    Returns:
-      [num_slots, M]; an empty slot holds zeros.
-    """
-    return _encode_impl(x, weights, slots, num_slots)
-
-
-def _encode_fwd(x, weights, slots, num_slots):
-    return _encode_impl(x, weights, slots, num_slots), (x, weights, slots)
-
-
-def _encode_bwd(num_slots, res, g):
-    x, weights, slots = res
-    dx = _decode_impl(g, weights, slots).astype(x.dtype)
-    dw = _assignment_dots(x, g, weights, slots)
-    return dx, dw, None
-
-
-encode.defvjp(_encode_fwd, _encode_bwd)
-
-
-@jax.custom_vjp
-def decode(data: jax.Array, weights: jax.Array, slots: jax.Array) -> jax.Array:
-    """Combines slot rows back into tokens.
-
-    Args:
-      data: [num_slots, M] expert outputs.
-      weights: [k, S] combine weights.
-      slots: [k, S] int32 flat slots; out-of-range means dropped (contributes zero).
-
-    Returns:
-      [S, M], `y[s] = sum_j weights[j, s] * data[slots[j, s]]`.
-    """
-    return _decode_impl(data, weights, slots)
-
-
-def _decode_fwd(data, weights, slots):
-    return _decode_impl(data, weights, slots), (data, weights, slots)
-
-
-def _decode_bwd(res, g):
-    data, weights, slots = res
-    ddata = _encode_impl(g, weights, slots, data.shape[0]).astype(data.dtype)
-    dw = _assignment_dots(g, data, weights, slots)
-    return ddata, dw, None
-
-
-decode.defvjp(_decode_fwd, _decode_bwd)
 
 
 def buffer_slots(plan: RoutingPlan) -> jax.Array:
@@ -135,8 +43,7 @@ def buffer_slots(plan: RoutingPlan) -> jax.Array:
 
 def grouped_slots(plan: RoutingPlan) -> jax.Array:
     """[k, S] rows of the dropless layout [k*S, M], sorted by expert in Tutel's slot order."""
-    starts = jnp.cumsum(plan.dispatch_count) - plan.dispatch_count
-    return (starts[plan.expert_ids] + plan.locations).astype(jnp.int32)
+    return grouped_rows(plan.expert_ids, plan.locations, plan.dispatch_count)
 
 
 def group_row_experts(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -153,7 +60,7 @@ SLOT_MAJOR_MIN_K = 9
 def _decode_slot_major(data: jax.Array, weights: jax.Array, slots: jax.Array) -> jax.Array:
     """decode() as one gather + scatter-add over slots (plain autodiff): y[token(a)] += w[a] * data[slot(a)]."""
     k, num_tokens = weights.shape
-    owner = _slot_owner(slots, data.shape[0])
+    owner = slot_owner(slots, data.shape[0])
     token = jnp.where(owner < k * num_tokens, owner % num_tokens, num_tokens)
     w = jnp.take(weights.reshape(-1), owner, mode="fill", fill_value=0)
     contrib = data * w[:, None].astype(data.dtype)
@@ -199,7 +106,7 @@ def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True, back
     x = x.astype(plan.gates.dtype)
     weights, num_slots = _encode_weights(plan, is_postscore), plan.num_experts * cap
     if plan.top_k >= SLOT_MAJOR_MIN_K:  # gathers per slot; autodiff's transpose is a scatter-add per slot
-        flat = _encode_impl(x, weights, slots, num_slots)
+        flat = gather_encode(x, weights, slots, num_slots)
     else:
         flat = (_kernel_op("encode", backend, plan.top_k) or encode)(x, weights, slots, num_slots)
     return flat.reshape(plan.num_experts, cap, x.shape[-1])

@@ -30,8 +30,8 @@ from ..gating import gating
 from ..gating import tiling_candidates as gating_tilings
 from ..gmm import gmm, tgmm
 from ..gmm import tiling_candidates as gmm_tilings
-from ..quant_matmul import quant_gmm, quant_matmul
-from ..quant_matmul import tiling_candidates as quant_tilings
+from ..quant import quant_gmm, quant_matmul
+from ..quant import tiling_candidates as quant_tilings
 from ..targets import get_target
 
 __all__ = ["Case", "ModelFamily", "FAMILIES", "model_cases", "tiling_cases", "all_cases"]

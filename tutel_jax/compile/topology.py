@@ -18,8 +18,9 @@ import math
 import os
 import re
 import tempfile
-from pathlib import Path
 from typing import Any, Iterator
+
+from pallas_kernels.targets import DevicelessUnavailable, cuda_plugin_dir, gpu_target_config, gpu_topology
 
 from .hardware import HARDWARE, Hardware
 
@@ -30,15 +31,10 @@ __all__ = ["Target", "TargetError", "DevicelessUnavailable", "parse_target", "ch
 MIN_JAX = (0, 12)
 #: dimensions of a TPU slice's topology per generation (v5e / v6e: 2D torus, v5p: 3D)
 _TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3}
-_CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
 class TargetError(ValueError):
     """A --target value that names no target (the message names the argument and what was expected)."""
-
-
-class DevicelessUnavailable(RuntimeError):
-    """This JAX cannot compile for the target without its devices (the message says what to install)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +85,6 @@ def _jax_version() -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
 
 
-def _cuda_plugin_dir() -> Path | None:
-    for name in _CUDA_PLUGINS:
-        try:
-            spec = importlib.util.find_spec(name)
-        except ModuleNotFoundError:
-            continue
-        if spec is not None and spec.submodule_search_locations:
-            d = Path(list(spec.submodule_search_locations)[0])
-            if (d / "xla_cuda_plugin.so").is_file():
-                return d
-    return None
-
-
 def check_deviceless(target: Target) -> None:
     """DevicelessUnavailable unless this JAX (>= 0.12) and the target's compiler (CUDA plugin / libtpu) are here."""
     extra = "cuda12" if target.platform == "gpu" else "tpu"
@@ -110,27 +93,11 @@ def check_deviceless(target: Target) -> None:
     if _jax_version()[:2] < MIN_JAX:
         raise DevicelessUnavailable(f"compiling for {target.spelling} without its devices needs jax >= "
                                     f"{'.'.join(map(str, MIN_JAX))} (this is jax {jax.__version__}): {install}")
-    if target.platform == "gpu" and _cuda_plugin_dir() is None:
+    if target.platform == "gpu" and cuda_plugin_dir() is None:
         raise DevicelessUnavailable(f"compiling for {target.spelling} needs the CUDA plugin of jax "
                                     f"(jax-cuda12-plugin), which is not installed: {install}")
     if target.platform == "tpu" and importlib.util.find_spec("libtpu") is None:
         raise DevicelessUnavailable(f"compiling for {target.spelling} needs libtpu, which is not installed: {install}")
-
-
-def gpu_target_config(device_kind: str) -> str:
-    """The GpuTargetConfigProto text of the GPU model `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'), taken from
-    the CUDA plugin: the block from `gpu_device_info {` to the line `device_description_str: "<kind>"`."""
-    d = _cuda_plugin_dir()
-    if d is None:
-        raise DevicelessUnavailable('the CUDA plugin of jax is not installed: pip install "tutel-jax[cuda12]"')
-    data = (d / "xla_cuda_plugin.so").read_bytes()
-    tail = f'device_description_str: "{device_kind}"\n'.encode()
-    end = data.find(tail)
-    start = data.rfind(b"gpu_device_info {", 0, end) if end >= 0 else -1
-    if start < 0:
-        raise DevicelessUnavailable(f"the installed CUDA plugin has no target description of {device_kind!r}; "
-                                    'a newer one may: pip install -U "tutel-jax[cuda12]"')
-    return data[start:end + len(tail)].decode()
 
 
 @contextlib.contextmanager
@@ -149,12 +116,10 @@ def _quiet_stderr() -> Iterator[None]:
 def topology_of(target: Target) -> Any:
     """The `jax.experimental.topologies` description of the target (its `.devices` are compile-only)."""
     check_deviceless(target)
-    from jax.experimental import topologies
     if target.platform == "gpu":
-        return topologies.get_topology_desc(target.hardware.name, platform="cuda",
-                                            target_config=gpu_target_config(target.hardware.gpu_target),
-                                            topology=target.topology)
+        return gpu_topology(target.hardware.gpu_target, target.devices, name=target.hardware.name)
     # libtpu guards a local TPU with a lockfile; compiling touches no TPU, so other processes may hold it
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
     with _quiet_stderr():
         return topologies.get_topology_desc(f"{target.hardware.name}:{target.topology}", platform="tpu")

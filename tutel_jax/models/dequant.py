@@ -1,4 +1,4 @@
-"""Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant.py).
+"""Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant/formats.py).
 
 `DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names,
 so the float loaders (`hf_tables`, `moe_block`) read quantized checkpoints unchanged;

@@ -10,8 +10,10 @@ when its slot is at or beyond the capacity.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
+from pallas_kernels.gating import slot_positions_reference as slot_positions
 
 __all__ = ["RoutingPlan", "top_k_routing", "plan_from_choices", "static_capacity", "align_capacity", "slot_positions"]
 
@@ -111,33 +113,6 @@ def _dynamic_bound(num_tokens, max_tokens: int, num_experts: int, top_k: int, ca
     """`capacity_formula` for a traced token count <= max_tokens, exactly (a table, no float rounding)."""
     table = [capacity_formula(s, num_experts, top_k, capacity_factor) for s in range(max_tokens + 1)]
     return jnp.asarray(table, jnp.int32)[jnp.clip(num_tokens, 0, max_tokens)]
-
-
-def slot_positions(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
-    """Slots of every assignment under Tutel's order, and the per-expert counts.
-
-    Args:
-      expert_ids: [k, S] int32.
-      num_experts: E.
-      priority_order: optional [S] permutation; tokens are placed in this order instead of token order.
-
-    Returns:
-      locations: [k, S] int32, the number of earlier assignments to the same expert, where "earlier" means a
-        lower choice index, or the same choice index and an earlier token in the placement order.
-      counts: [E] int32 assignments per expert.
-    """
-    k, num_tokens = expert_ids.shape
-    ordered = expert_ids if priority_order is None else expert_ids[:, priority_order]
-    flat = ordered.reshape(-1)  # choice-major, then placement order: exactly Tutel's precedence
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    starts = jnp.cumsum(counts) - counts
-    order = jnp.argsort(flat, stable=True)
-    rank = jnp.zeros((k * num_tokens,), jnp.int32).at[order].set(jnp.arange(k * num_tokens, dtype=jnp.int32))
-    slots = (rank - starts[flat]).reshape(k, num_tokens)
-    if priority_order is not None:
-        slots = jnp.zeros_like(slots).at[:, priority_order].set(slots)
-    return slots, counts
 
 
 def top_k_routing(

@@ -2,12 +2,12 @@
 
     quant_gmm_tpu(x[T, K], w (packed [G, N, K]), group_sizes[G]) -> [T, N]
 
-Semantics are those of `quant_matmul.quant_gmm_reference`: rows of x are sorted by group, the rows of group g
+Semantics are those of `reference.quant_gmm_reference`: rows of x are sorted by group, the rows of group g
 are multiplied by dequant(w)[g].T, rows past sum(group_sizes) are zeros, a group extending past T is cut at T.
-Formats (quant.py): FP8 block (`Fp8BlockWeight`), MXFP4 (`Mxfp4Weight`), NVFP4 (`Nvfp4Weight`), any N and K the
+Formats (formats.py): FP8 block (`Fp8BlockWeight`), MXFP4 (`Mxfp4Weight`), NVFP4 (`Nvfp4Weight`), any N and K the
 format allows (K % 32 == 0 for MXFP4, K % 16 == 0 for NVFP4, any K for FP8 block).
 
-Schedule. XLA builds a static-length list of work items (group, row tile) like `gmm.group_metadata`: every row
+Schedule. XLA builds a static-length list of work items (group, row tile) like `gmm.pallas_triton.group_metadata`: every row
 tile of tm rows that a group overlaps, in row order, then a pseudo group owning the rows past the last group
 (it writes zeros); a tile shared by two groups appears once per group. W = cdiv(T, tm) + G items bound the list;
 unused items at its end repeat the last row tile and do nothing. The list sits in SMEM by scalar prefetch
@@ -50,7 +50,7 @@ than that: all T rows), tn = 512, halved while the estimated VMEM footprint (`vm
 blocks plus the chunk temporaries) exceeds VMEM_BUDGET; a call that does not fit even at tn = 128 and tm = 16
 raises NotSupported ("auto" then runs the XLA reference). Inputs are float32 or bfloat16, outputs float32 or
 bfloat16. Like every Mosaic kernel here it runs inside `shard_map` on a multi-device mesh
-(`tpu_gmm.check_supported`'s rule). Forward only: packed weights are inference weights, and the op adds no
+(`gmm.pallas_mosaic_tpu.check_supported`'s rule). Forward only: packed weights are inference weights, and the op adds no
 VJP (as the Triton kernel of `quant_gmm`).
 """
 
@@ -65,11 +65,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._select import NotSupported
-from ._util import cdiv
-from .quant import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e2m1_to_f32,
-                    e8m0_to_f32)
-from .tpu_gmm import TPU_DTYPES, require_manual_axes, run_manual
+from .._manual import require_manual_axes, run_manual
+from .._select import NotSupported
+from .._util import cdiv
+from ..gmm.pallas_mosaic_tpu import TPU_DTYPES
+from .formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e2m1_to_f32,
+                      e8m0_to_f32)
 
 __all__ = ["quant_gmm_tpu", "check_supported", "default_tiling", "vmem_bytes", "work_items", "VMEM_BUDGET",
            "VMEM_LIMIT", "KERNEL_NAME"]

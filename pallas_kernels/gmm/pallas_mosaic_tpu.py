@@ -1,4 +1,4 @@
-"""Grouped matmul on TPUs: `gmm` and `tgmm` (gmm.py semantics) on JAX's Mosaic megablox kernels.
+"""Grouped matmul on TPUs: `gmm` and `tgmm` (reference.py's semantics) on JAX's Mosaic megablox kernels.
 
     gmm_tpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
     tgmm_tpu(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]
@@ -32,17 +32,17 @@ inside `shard_map` (all mesh axes of size > 1 manual). `check_supported` says so
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from ._select import NotSupported
+from .._manual import require_manual_axes, run_manual
+from .._select import NotSupported
+from .reference import clamp_group_sizes
 
-__all__ = ["TPU_DTYPES", "MAX_TILE", "default_tpu_tiling", "check_supported", "gmm_tpu", "tgmm_tpu",
-           "clamp_group_sizes", "run_manual", "sum_to_primal_vma"]
+__all__ = ["TPU_DTYPES", "MAX_TILE", "default_tpu_tiling", "check_supported", "gmm_tpu", "tgmm_tpu"]
 
 #: input and output dtypes the megablox kernels accept
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -81,27 +81,6 @@ def _check_tiling(tiling: Sequence[int], k_dim: int, n_dim: int) -> tuple[int, i
     return tm, tk, tn
 
 
-def _auto_partitioned_axes() -> tuple[str, ...]:
-    """Mesh axes of size > 1 in context that are not manual (XLA would have to partition a kernel over them)."""
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # noqa: BLE001 - a JAX without abstract meshes: nothing to partition
-        return ()
-    if mesh is None or getattr(mesh, "empty", True):
-        return ()
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
-    return tuple(name for name, size in zip(mesh.axis_names, mesh.axis_sizes) if size > 1 and name not in manual)
-
-
-def require_manual_axes(kind: str = "Mosaic") -> None:
-    """NotSupported when a mesh axis of size > 1 in context is not manual: XLA cannot partition `kind` kernels,
-    which therefore run inside `shard_map` (one call per device)."""
-    axes = _auto_partitioned_axes()
-    if axes:
-        raise NotSupported(f"{kind} kernels cannot be partitioned automatically (mesh axes {axes} are not "
-                           "manual); call the op inside shard_map")
-
-
 def check_supported(*dtypes: Any, interpret: bool = False) -> None:
     """Raises NotSupported unless the TPU kernels can run a call with these operand / output dtypes.
 
@@ -117,63 +96,13 @@ def check_supported(*dtypes: Any, interpret: bool = False) -> None:
         require_manual_axes()
 
 
-def _vma_check_off():
-    config = getattr(importlib.import_module("jax._src.config"), "_check_vma", None)
-    return config(False) if config is not None else contextlib.nullcontext()
-
-
-def run_manual(fn: Callable[..., Any], *operands: Any) -> Any:
-    """`fn(*operands)` for a pallas_call-based `fn` that does not type its outputs for `shard_map`'s check_vma.
-
-    Outside shard_map (no operand varies over a mesh axis) this is `fn(*operands)`. Inside, `fn` is traced with
-    the check off and its outputs are declared varying over the union of the operands' varying axes.
-    """
-    types = [getattr(jax.typeof(o), "manual_axis_type", None) for o in operands]
-    axes: frozenset = frozenset()
-    if types and all(t is not None for t in types):
-        axes = frozenset().union(*(t.varying for t in types))
-    if not axes:
-        return fn(*operands)
-    with _vma_check_off():
-        out = fn(*operands)
-    cast = getattr(jax.lax, "pcast", None)
-
-    def vary(x):
-        have = getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", frozenset())
-        missing = tuple(sorted(axes - frozenset(have)))
-        if not missing:
-            return x
-        return cast(x, missing, to="varying") if cast is not None else jax.lax.pvary(x, missing)
-
-    return jax.tree_util.tree_map(vary, out)
-
-
-def sum_to_primal_vma(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-    """A custom VJP's cotangent for `primal`, summed (psum) over the mesh axes it varies over but `primal` does
-    not: inside shard_map, an invariant input (replicated expert weights) used with varying ones is implicitly
-    broadcast, whose transpose is that sum. Outside shard_map, or where the types already agree, unchanged."""
-    have = getattr(jax.typeof(cotangent), "manual_axis_type", None)
-    want = getattr(jax.typeof(primal), "manual_axis_type", None)
-    if have is None or want is None:
-        return cotangent
-    extra = tuple(sorted(frozenset(have.varying) - frozenset(want.varying)))
-    return jax.lax.psum(cotangent, extra) if extra else cotangent
-
-
-def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """(sizes, total): group sizes cut so that no group extends past row `num_rows`, and their sum."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    return (ends - starts).astype(jnp.int32), ends[-1]
-
-
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
 def gmm_tpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
             out_dtype: Any = None, interpret: bool = False, tiling: Sequence[int] | None = None) -> jax.Array:
-    """Grouped matmul on the Mosaic megablox kernel (forward only; gmm.py adds the VJP).
+    """Grouped matmul on the Mosaic megablox kernel (forward only; api.py adds the VJP).
 
     Args:
       lhs: [T, K] float32 / bfloat16, rows sorted by group.

@@ -1,12 +1,10 @@
-"""Grouped matmul: `gmm(lhs[T, K], rhs[G, K, N], group_sizes[G]) -> [T, N]` and its weight gradient
-`tgmm(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]`, with a custom VJP.
+"""Grouped matmul on Pallas Triton kernels (NVIDIA sm_80 / sm_90 / sm_100, AMD gfx942), forward only (api.py adds
+the custom VJP):
 
-Rows of lhs are sorted by group: rows [start_g, start_g + group_sizes[g]) use rhs[g]. Rows past
-sum(group_sizes) produce zeros. Reference: `jax.lax.ragged_dot` (and `lax.ragged_dot_general` in the
-transposed mode for tgmm), which is correct but dense-masked (on CPU): the kernel only touches the
-tiles a group actually owns.
+    gmm_triton(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G], ...) -> [T, N]
+    tgmm_triton(lhs[T, K], grad[T, N], group_sizes[G], ...) -> [G, K, N]
 
-Kernel (Triton backend), megablox-style tile schedule:
+Semantics are reference.py's. Kernel, megablox-style tile schedule:
   - XLA builds a schedule of work items (group g, row tile m): every row tile of size block_m that a group
     overlaps, in group order. A tile shared by two groups appears twice; each work item only STORES the rows of
     its own group, so two items never write the same element (no atomics, no races). The rows past the last
@@ -22,17 +20,8 @@ a 128x128 f32 accumulator, 2 x 16 KiB bf16 operand tiles per stage. Arithmetic i
 weights read once is about 210 FLOP/byte, near the H100 ridge, so keeping weight reads to one pass matters
 more than the MMA tile shape.
 
-The same kernel body serves the quantized per-expert matmul (`quant_matmul.py`) through a weight-tile loader
-that dequantizes inside the kernel, and the decode case (few rows) through split-K.
-
-On TPUs ("tpu" / "tpu_interpret") both ops run JAX's Mosaic megablox kernels through `tpu_gmm.py` (its own
-tiling rule; `config` / `tgmm_config` are the Triton tilings and do not apply there). The custom VJP is the same
-for every implementation: a call that picked the TPU kernel runs its backward on it as well.
-
-On Hopper and Blackwell, `implementation="mosaic_gpu"` (by name only; see `_select.py` for the H200 measurement
-that keeps "auto" on Triton) runs gmm through tokamax's Mosaic GPU ragged_dot (`mosaic_gpu_gmm.py`, tokamax's own
-tiling). Its backward takes d lhs (a gmm of the cotangent) from the Mosaic GPU kernel for 16-bit cotangents and
-d rhs (tgmm) from Triton: tokamax's weight-gradient kernel gave wrong results on an H200 and is never used.
+The same kernel body serves the quantized per-expert matmul (`quant/pallas_triton.py`) through a weight-tile
+loader that dequantizes inside the kernel, and the decode case (few rows) through split-K.
 """
 
 from __future__ import annotations
@@ -47,14 +36,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from . import mosaic_gpu_gmm, tpu_gmm
-from ._select import TPU_IMPLEMENTATIONS, choose, resolved_name
-from ._util import cdiv, check_pow2, col, row, triton_call
-from .targets import current_target
+from .._util import cdiv, check_pow2, col, row, triton_call
+from ..targets import current_target
 
-__all__ = ["GmmConfig", "gmm", "tgmm", "gmm_reference", "tgmm_reference", "group_metadata",
-           "default_gmm_config", "default_tgmm_config", "DenseRhs", "GMM_TILINGS", "TGMM_TILINGS",
-           "tiling_candidates"]
+__all__ = ["GmmConfig", "gmm_triton", "tgmm_triton", "group_metadata", "default_gmm_config",
+           "default_tgmm_config", "DenseRhs", "GMM_TILINGS", "TGMM_TILINGS", "tiling_candidates",
+           "grouped_matmul_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,26 +135,6 @@ def tiling_candidates(target: str, op: str = "gmm") -> dict[str, GmmConfig]:
     return candidates
 
 
-# ----------------------------------------------------------------------------------------------- reference
-
-
-def gmm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                  preferred_element_type: Any = None) -> jax.Array:
-    """`lax.ragged_dot`; rhs is [G, K, N], or [G, N, K] with transpose_rhs."""
-    if transpose_rhs:
-        rhs = jnp.swapaxes(rhs, 1, 2)
-    return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=preferred_element_type)
-
-
-def tgmm_reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *,
-                   preferred_element_type: Any = None) -> jax.Array:
-    """[G, K, N]: out[g] = lhs[rows_g].T @ grad[rows_g] (`lax.ragged_dot_general`, ragged contraction)."""
-    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return lax.ragged_dot_general(lhs, grad, group_sizes.astype(jnp.int32), dims,
-                                  preferred_element_type=preferred_element_type)
-
-
 # ---------------------------------------------------------------------------------------- tile schedule
 
 
@@ -212,7 +179,7 @@ class DenseRhs:
     A loader gives the kernel, for group g and the index vectors ks [bk] / ns [bn], the weight tile in the
     compute dtype, whether it is laid out [bn, bk] (`transposed`), an optional per-column scale applied to the
     step's partial product (FP8 block scales), and an optional per-group scale applied at the end (NVFP4's
-    global scale). Quantized loaders live in quant_matmul.py.
+    global scale). Quantized loaders live in quant/pallas_triton.py.
     """
 
     num_refs = 1
@@ -340,13 +307,13 @@ def grouped_matmul_call(lhs: jax.Array, rhs_operands: Sequence[jax.Array], loade
     return out
 
 
-def _gmm_kernel_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, interpret):
+def gmm_triton(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, interpret):
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return grouped_matmul_call(lhs, (rhs,), DenseRhs(transpose_rhs), group_sizes, n_dim, out_dtype, cfg,
                                interpret, compute_dtype=_compute_dtype(lhs.dtype, rhs.dtype))
 
 
-def _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, cfg, interpret):
+def tgmm_triton(lhs, grad, group_sizes, num_groups, out_dtype, cfg, interpret):
     num_rows, k_dim = lhs.shape
     n_dim = grad.shape[1]
     _, _, starts, ends = group_metadata(group_sizes, num_rows, cfg.block_m)
@@ -356,154 +323,3 @@ def _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, cfg, interp
                        grid=(cdiv(n_dim, cfg.block_n), cdiv(k_dim, cfg.block_k), num_groups),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
                        name="tutel_tgmm")(starts, ends, lhs, grad)
-
-
-# ------------------------------------------------------------------------------------ custom VJP and ops
-
-
-def _gmm_impl(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
-    if impl == "xla":
-        return gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                             preferred_element_type=out_dtype).astype(out_dtype)
-    if impl in TPU_IMPLEMENTATIONS:
-        return tpu_gmm.gmm_tpu(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                               interpret=impl == "tpu_interpret")
-    if impl == "mosaic_gpu":
-        return mosaic_gpu_gmm.gmm_mosaic_gpu(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                                             out_dtype=out_dtype)
-    return _gmm_kernel_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, impl == "interpret")
-
-
-def _tgmm_impl(impl, tcfg, out_dtype, lhs, grad, group_sizes, num_groups):
-    if impl == "xla":
-        return tgmm_reference(lhs, grad, group_sizes, preferred_element_type=out_dtype).astype(out_dtype)
-    if impl in TPU_IMPLEMENTATIONS:
-        return tpu_gmm.tgmm_tpu(lhs, grad, group_sizes, num_groups=num_groups, out_dtype=out_dtype,
-                                interpret=impl == "tpu_interpret")
-    return _tgmm_kernel_call(lhs, grad, group_sizes, num_groups, out_dtype, tcfg, impl == "interpret")
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _gmm(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
-    return _gmm_impl(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes)
-
-
-def _gmm_fwd(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes):
-    out = _gmm_impl(impl, cfg, tcfg, transpose_rhs, out_dtype, lhs, rhs, group_sizes)
-    return out, (lhs, rhs, group_sizes)
-
-
-def _mosaic_or_triton(impl: str, *check_args: Any) -> str:
-    """A backward gmm of a "mosaic_gpu" forward: Mosaic GPU where its kernel takes the call, else Triton."""
-    if impl != "mosaic_gpu":
-        return impl
-    return "mosaic_gpu" if mosaic_gpu_gmm.supports(*check_args) else "pallas"
-
-
-def _gmm_bwd(impl, cfg, tcfg, transpose_rhs, out_dtype, res, g):
-    lhs, rhs, group_sizes = res
-    num_groups = rhs.shape[0]
-    k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
-    # d lhs = g @ rhs[g].T: the same kernel reading rhs the other way round (no transposed copy)
-    dlhs_impl = _mosaic_or_triton(impl, g.dtype, rhs.dtype, lhs.dtype, n_dim, k_dim)
-    drhs_impl = "pallas" if impl == "mosaic_gpu" else impl  # the weight gradient is always Triton's there
-    dlhs = _gmm_impl(dlhs_impl, cfg, tcfg, not transpose_rhs, lhs.dtype, g, rhs, group_sizes)
-    if transpose_rhs:  # rhs [G, N, K]: d rhs[g] = g[rows_g].T @ lhs[rows_g]
-        drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, g, lhs, group_sizes, num_groups)
-    else:
-        drhs = _tgmm_impl(drhs_impl, tcfg, rhs.dtype, lhs, g, group_sizes, num_groups)
-    # inside shard_map: replicated weights get the sum of the shards' gradients
-    return tpu_gmm.sum_to_primal_vma(dlhs, lhs), tpu_gmm.sum_to_primal_vma(drhs, rhs), None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def _tpu_check(implementation, *dtypes):
-    """The TPU kernel's NotSupported check for `choose` (the interpreter skips the mesh-partitioning rule)."""
-    interpret = resolved_name(implementation) == "tpu_interpret"
-    return lambda: tpu_gmm.check_supported(*dtypes, interpret=interpret)
-
-
-def _mosaic_gpu_check(*args):
-    """The Mosaic GPU kernel's NotSupported check for `choose` (gmm only; see `_gmm_bwd` for the backward)."""
-    return lambda: mosaic_gpu_gmm.check_supported(*args)
-
-
-def _check_gmm(lhs, rhs, group_sizes, transpose_rhs):
-    if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"gmm needs lhs [T, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
-    k_rhs = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-    if k_rhs != lhs.shape[1]:
-        raise ValueError(f"contraction mismatch: lhs {lhs.shape}, rhs {rhs.shape} (transpose_rhs={transpose_rhs})")
-    if group_sizes.shape != (rhs.shape[0],):
-        raise ValueError(f"group_sizes must be [G={rhs.shape[0]}], got {group_sizes.shape}")
-
-
-def gmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    transpose_rhs: bool = False,
-    preferred_element_type: Any = None,
-    implementation: str | None = "auto",
-    config: GmmConfig | None = None,
-    tgmm_config: GmmConfig | None = None,
-) -> jax.Array:
-    """Grouped matmul (differentiable in lhs and rhs).
-
-    Args:
-      lhs: [T, K], rows sorted by group.
-      rhs: [G, K, N] (or [G, N, K] with transpose_rhs, e.g. HF [out, in] weights).
-      group_sizes: [G] int32 rows per group; rows past their sum give zeros.
-      transpose_rhs: rhs is stored [G, N, K].
-      preferred_element_type: output dtype (default: the promoted input dtype); accumulation is float32.
-      implementation: "auto", "xla", "pallas", "interpret", "tpu", "tpu_interpret" or "mosaic_gpu" (the TPU
-        kernel takes float32 / bfloat16 operands and outputs; "auto" falls back to XLA for other dtypes; the
-        Mosaic GPU kernel, tried first by "auto" on sm_90 / sm_100 with tokamax installed, takes bfloat16 /
-        float16 operands with K and N multiples of 64, see `mosaic_gpu_gmm.check_supported`; "auto" falls back
-        to Triton for other calls).
-      config: forward tiling (default `default_gmm_config`); tgmm_config: the weight-gradient tiling (Triton;
-        neither applies to the Mosaic GPU kernel, which takes tokamax's own).
-
-    Returns:
-      [T, N].
-    """
-    _check_gmm(lhs, rhs, group_sizes, transpose_rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    # the backward runs on the same implementation: its cotangent has out_dtype
-    k_dim, n_dim = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
-    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, rhs.dtype, out_dtype),
-                  mosaic_gpu=_mosaic_gpu_check(lhs.dtype, rhs.dtype, out_dtype, k_dim, n_dim))
-    cfg = config or default_gmm_config(lhs.shape[0], k_dim, n_dim, rhs.shape[0], lhs.dtype)
-    tcfg = tgmm_config or default_tgmm_config(k_dim, n_dim, lhs.dtype)
-    return _gmm(impl, cfg, tcfg, bool(transpose_rhs), out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
-
-
-def tgmm(
-    lhs: jax.Array,
-    grad: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    preferred_element_type: Any = None,
-    implementation: str | None = "auto",
-    config: GmmConfig | None = None,
-) -> jax.Array:
-    """Per-group `lhs[rows_g].T @ grad[rows_g]`: the weight gradient of gmm (forward only).
-
-    Args:
-      lhs: [T, K]; grad: [T, N]; rows sorted by group.
-      group_sizes: [G] int32 (an empty group gives a zero [K, N] block).
-      preferred_element_type: output dtype (default: the promoted input dtype).
-      implementation, config: as for `gmm` (config.block_m rows per reduction step, block_k x block_n tile).
-
-    Returns:
-      [G, K, N].
-    """
-    if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
-        raise ValueError(f"tgmm needs lhs [T, K] and grad [T, N], got {lhs.shape} and {grad.shape}")
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
-    impl = choose(implementation, tpu=_tpu_check(implementation, lhs.dtype, grad.dtype, out_dtype))
-    cfg = config or default_tgmm_config(lhs.shape[1], grad.shape[1], lhs.dtype)
-    return _tgmm_impl(impl, cfg, out_dtype, lhs, grad, group_sizes.astype(jnp.int32), group_sizes.shape[0])

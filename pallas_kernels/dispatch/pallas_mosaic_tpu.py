@@ -1,6 +1,6 @@
 """Dispatch (encode) and combine (decode) on TPUs: Mosaic kernels gathering rows by DMA.
 
-Semantics are those of dispatch.py (and `tutel_jax/dispatch.py`):
+Semantics are those of reference.py:
   encode_tpu(x[S, M], weights[k, S], slots[k, S], num_slots) -> [num_slots, M]
       out[slot] = weights[j, s] * x[s] for the assignment (j, s) owning the slot, zeros for an empty slot.
   decode_tpu(data[num_slots, M], weights[k, S], slots[k, S]) -> [S, M]
@@ -30,7 +30,7 @@ while the output block keeps the source dtype.
 R (`block_rows`): the largest power of two in [16, 256] whose k * R float32 row buffer stays within 1 MiB (16
 is a multiple of bf16's 16-row sublane tile of the output block). The index tables are O(num_slots) and O(k * S) int32 in SMEM:
 `check_supported` declines calls whose table exceeds MAX_TABLE entries (then "auto" uses the XLA reference).
-Like every Mosaic kernel, these run inside `shard_map` on a multi-device mesh (see `tpu_gmm.check_supported`).
+Like every Mosaic kernel, these run inside `shard_map` on a multi-device mesh (see `gmm.pallas_mosaic_tpu.check_supported`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._select import NotSupported
-from ._util import cdiv
-from .tpu_gmm import require_manual_axes, run_manual
+from .._manual import require_manual_axes, run_manual
+from .._select import NotSupported
+from .._util import cdiv
+from .reference import slot_owner
 
 __all__ = ["encode_tpu", "decode_tpu", "gather_rows_tpu", "check_supported", "default_block_rows", "MAX_TABLE",
            "BUFFER_BYTES"]
@@ -72,7 +73,7 @@ def check_supported(table_entries: int, dtype: Any, interpret: bool = False) -> 
     Args:
       table_entries: the larger index table of the call and of its backward (max(num_slots, k * S)).
       dtype: the rows' dtype (float32 or bfloat16; Mosaic's DMA and VPU handle other floats poorly on v5).
-      interpret: the interpreter skips the mesh rule (see `tpu_gmm.check_supported`).
+      interpret: the interpreter skips the mesh rule (see `gmm.pallas_mosaic_tpu.check_supported`).
     """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise NotSupported(f"the TPU dispatch kernels take float32 or bfloat16 rows, got {jnp.dtype(dtype)}")
@@ -172,8 +173,7 @@ def encode_tpu(x: jax.Array, weights: jax.Array, slots: jax.Array, num_slots: in
     """encode on TPU: [S, M] -> [num_slots, M] (see the module docstring). Slots must be distinct."""
     k, num_tokens = weights.shape
     num_assign = k * num_tokens
-    owner = jnp.full((num_slots,), num_assign, jnp.int32)
-    owner = owner.at[slots.reshape(-1)].set(jnp.arange(num_assign, dtype=jnp.int32), mode="drop")
+    owner = slot_owner(slots, num_slots)
     filled = owner < num_assign
     token = jnp.where(filled, owner % max(num_tokens, 1), -1)
     # the weight rounded to x's dtype, as the reference multiplies in that dtype

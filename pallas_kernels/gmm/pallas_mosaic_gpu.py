@@ -2,14 +2,14 @@
 
     gmm_mosaic_gpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
 
-Semantics are gmm.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; a group that
+Semantics are reference.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; a group that
 extends past T is cut at T. The weight gradient (tgmm) is never run here: tokamax's ragged-contraction kernel
 gave wrong results on an H200 (benchmarks/results/mosaic_gpu_gmm_h200.txt), so it stays on Triton.
 
 tokamax (PyPI `tokamax`, an optional dependency: Python >= 3.12, jax >= 0.11.1) ships Pallas Mosaic GPU kernels
 for `ragged_dot`: a wgmma kernel for sm_90 with a ragged-contraction (weight-gradient) variant, and a tcgen05
 kernel for sm_100 that has the forward form only. This module calls its public `tokamax.ragged_dot_general`
-with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, else its heuristics; gmm.py's
+with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, else its heuristics; pallas_triton.py's
 `GmmConfig` tilings are Triton's and do not apply) and adapts the semantics around it:
 
 - group sizes are clamped to T first, so no group reaches past the rows that exist;
@@ -47,12 +47,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._select import MOSAIC_GPU_TARGETS, NotSupported
-from .targets import Target, _default_device, _mesh_device, current_target, target_of_device, target_of_kind
-from .tpu_gmm import clamp_group_sizes, require_manual_axes, run_manual
+from .._manual import require_manual_axes, run_manual
+from .._select import MOSAIC_GPU_TARGETS, NotSupported
+from ..targets import (Target, _default_device, _mesh_device, compile_only_device, current_target,
+                       target_of_device, target_of_kind)
+from .reference import clamp_group_sizes
 
 __all__ = ["MOSAIC_GPU_DTYPES", "DIM_MULTIPLE", "unavailable_reason", "check_supported", "supports",
-           "gmm_mosaic_gpu", "compile_device"]
+           "gmm_mosaic_gpu", "compile_device", "mosaic_gpu_unavailable"]
 
 #: input dtypes of tokamax's non-quantized Mosaic GPU kernels (lhs and rhs alike)
 MOSAIC_GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -84,28 +86,24 @@ def unavailable_reason() -> str | None:
     return _tokamax_import()[1]
 
 
+def mosaic_gpu_unavailable() -> str | None:
+    """Why the Mosaic GPU grouped matmul cannot be traced now (tokamax missing, or a target other than sm_90 /
+    sm_100), or None when it can be tried (the op's own check still decides per call)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    target = current_target().name
+    if target not in MOSAIC_GPU_TARGETS:
+        return (f"the Mosaic GPU kernels (tokamax) target {' and '.join(MOSAIC_GPU_TARGETS)}; this program is traced "
+                f"for {target}")
+    return None
+
+
 def _tokamax() -> Any:
     module, reason = _tokamax_import()
     if module is None:
         raise NotSupported(reason)
     return module
-
-
-@functools.lru_cache(maxsize=None)
-def _compile_only_device(device_kind: str) -> jax.Device | None:
-    """A compile-only device of that kind (JAX's CUDA plugin describes it), or None where none can be made."""
-    try:  # lazy: the library's deviceless-compile helpers; this package imports without them
-        from tutel_jax.compile.hardware import HARDWARE
-        from tutel_jax.compile.topology import parse_target, topology_of
-    except ImportError:
-        return None
-    name = next((h.name for h in HARDWARE.values() if h.platform == "gpu" and h.device_kind == device_kind), None)
-    if name is None:
-        return None
-    try:
-        return topology_of(parse_target(name)).devices[0]
-    except Exception:  # noqa: BLE001 - no CUDA plugin, an old JAX, a plugin that cannot describe topologies
-        return None
 
 
 def compile_device(target: Target | None = None) -> jax.Device | None:
@@ -119,31 +117,24 @@ def compile_device(target: Target | None = None) -> jax.Device | None:
     mesh = _mesh_device()
     kinds = [mesh[1]] if mesh is not None and target_of_kind(mesh[1], mesh[0]) is target else []
     for kind in kinds + [target.device_kind]:
-        device = _compile_only_device(kind)
+        device = compile_only_device(kind)
         if device is not None:
             return device
     return None
 
 
-def check_supported(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, k_dim: int, n_dim: int, *,
-                    op: str = "gmm") -> None:
-    """Raises NotSupported unless the Mosaic GPU kernel can run this call (see the module docstring).
+def check_supported(lhs_dtype: Any, rhs_dtype: Any, out_dtype: Any, k_dim: int, n_dim: int) -> None:
+    """Raises NotSupported unless the Mosaic GPU gmm can run this call (see the module docstring): tokamax and
+    an sm_90 / sm_100 target first (`mosaic_gpu_unavailable`), then the call's dtypes and widths.
 
     Args:
-      lhs_dtype, rhs_dtype, out_dtype: the operands' and the output's dtypes (tgmm: lhs, grad and the [G, K, N]
-        output).
-      k_dim, n_dim: gmm: the contraction and output widths; tgmm: the [K, N] of each gradient block.
-      op: "gmm" or "tgmm".
+      lhs_dtype, rhs_dtype, out_dtype: the operands' and the output's dtypes.
+      k_dim, n_dim: the contraction and output widths.
     """
-    _tokamax()
+    reason = mosaic_gpu_unavailable()
+    if reason is not None:
+        raise NotSupported(reason)
     target = current_target()
-    if target.name not in MOSAIC_GPU_TARGETS:
-        raise NotSupported(f"the Mosaic GPU kernels target {' and '.join(MOSAIC_GPU_TARGETS)}, not {target.name}")
-    if op == "tgmm":
-        # on an H200 (tokamax 0.0.17, jax 0.11.2) its weight-gradient kernel differed from the reference by
-        # 0.24-0.36 of the largest value, where the forward matched to 5e-7: never used
-        raise NotSupported("the Mosaic GPU weight-gradient path (tokamax's ragged contraction through "
-                           "ragged_dot_general) gave wrong results on an H200; tgmm runs on Triton")
     lhs_dtype, rhs_dtype, out_dtype = (jnp.dtype(d) for d in (lhs_dtype, rhs_dtype, out_dtype))
     if lhs_dtype != rhs_dtype or lhs_dtype not in MOSAIC_GPU_DTYPES:
         raise NotSupported(f"the Mosaic GPU grouped matmul takes two bfloat16 or two float16 operands, got "
@@ -192,7 +183,7 @@ def _ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, dims: lax.Ragg
 
 def gmm_mosaic_gpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
                    out_dtype: Any = None) -> jax.Array:
-    """Grouped matmul on tokamax's Mosaic GPU kernel (forward only; gmm.py adds the VJP).
+    """Grouped matmul on tokamax's Mosaic GPU kernel (forward only; api.py adds the VJP).
 
     Args:
       lhs: [T, K] bfloat16 / float16, rows sorted by group.

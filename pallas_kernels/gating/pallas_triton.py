@@ -1,23 +1,5 @@
-"""Fused gating: router scores -> top-k -> Tutel slot locations, in one kernel family.
-
-Op: `gating(logits[S, E], k, ...) -> GatingResult(expert_ids[k, S], locations[k, S], weights[k, S],
-counts[E], scores[S, E])`, plus the building block `slot_positions(expert_ids[k, S], E)`.
-
-Semantics (the XLA reference, `gating_reference`, is bit-identical to `tutel_jax.routing.plan.top_k_routing`
-for softmax scores; the tests check it):
-  - scores: `softmax(logits)` (Tutel, Mixtral, Qwen) or `sigmoid(logits)` (DeepSeek-V3, Kimi-K2, GLM), in float32.
-  - selection score: `scores + correction_bias` (bias optional); with `n_group > 1`, experts form `n_group`
-    contiguous groups, a group scores the sum of its two best selection scores, the best `topk_group` groups
-    are kept and every other expert's selection score becomes `group_fill_value` (0.0 as in HF transformers;
-    DeepSeek's own inference code uses -inf).
-  - top-k: descending selection score, ties to the lower expert index (like `lax.top_k`).
-  - weights: the UNBIASED score of each chosen expert. softmax: divided by max(sum over k, eps) when
-    `normalize` and k > 1 (Tutel's `normalize_gate`); sigmoid: divided by (sum + 1e-20) when `normalize`
-    (HF `norm_topk_prob`). Then times `routed_scaling_factor`.
-  - locations: Tutel's slots: the number of earlier assignments to the same expert, "earlier" meaning a lower
-    choice index, or the same choice and an earlier token (in descending best-score order with
-    `batch_prioritized_routing`, stable). counts[e] = assignments to e. Capacity and dropping are left to the
-    caller (a slot >= capacity is dropped), exactly as in `top_k_routing`.
+"""Fused gating on Pallas Triton kernels (NVIDIA, AMD): `gating_triton` and `slot_positions_triton`; semantics
+are reference.py's.
 
 Kernel family (Triton backend), three steps, no atomics:
   1. `_gating_kernel`, grid over blocks of `block_tokens` tokens: each program loads its [BT, W] logits tile
@@ -44,17 +26,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ._select import NotSupported, choose
-from ._util import cdiv, check_pow2, col, next_pow2, row, triton_call
-from .targets import current_target, get_target
+from .._select import NotSupported
+from .._util import cdiv, check_pow2, col, next_pow2, row, triton_call
+from ..targets import current_target, get_target
+from .reference import GatingResult, priority_order
 
-__all__ = ["GatingConfig", "GatingResult", "gating", "gating_reference", "slot_positions",
-           "slot_positions_reference", "default_gating_config", "MAX_KERNEL_EXPERTS", "GatingTiling",
-           "GATING_TILINGS", "tiling_candidates"]
+__all__ = ["GatingConfig", "default_gating_config", "MAX_KERNEL_EXPERTS", "GatingTiling", "GATING_TILINGS",
+           "tiling_candidates", "gating_triton", "slot_positions_triton", "check_kernel_experts"]
 
 #: largest expert count the gating kernel keeps in one register tile
 MAX_KERNEL_EXPERTS = 1024
-_SCORE_FNS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,117 +111,6 @@ def tiling_candidates(target: str) -> dict[str, GatingConfig]:
     candidates = {f"softmax_e{e}": default_gating_config(512, e, target=target) for e in (8, 32, 128, 256, 1024)}
     candidates["grouped_e256"] = default_gating_config(512, 256, grouped=True, target=target)
     return candidates
-
-
-@dataclasses.dataclass(frozen=True)
-class GatingResult:
-    """Output of `gating`.
-
-    Attributes:
-      expert_ids: [k, S] int32, expert of choice j of token s (descending selection score).
-      locations: [k, S] int32, Tutel slot of that assignment inside its expert (before dropping).
-      weights: [k, S] float32 combine weights.
-      counts: [E] int32 assignments per expert (Tutel's dispatch_count).
-      scores: [S, E] float32 router scores (softmax or sigmoid, without the correction bias), for aux losses.
-    """
-
-    expert_ids: jax.Array
-    locations: jax.Array
-    weights: jax.Array
-    counts: jax.Array
-    scores: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    GatingResult, data_fields=["expert_ids", "locations", "weights", "counts", "scores"], meta_fields=[])
-
-
-# ----------------------------------------------------------------------------------------------- reference
-
-
-def slot_positions_reference(expert_ids: jax.Array, num_experts: int, priority_order: jax.Array | None = None
-                             ) -> tuple[jax.Array, jax.Array]:
-    """Tutel's slots ([k, S] int32) and per-expert counts ([E] int32): `tutel_jax.routing.plan.slot_positions`
-    (a stable sort of the choice-major assignment list), the reference the slot kernel must equal."""
-    from tutel_jax.routing.plan import slot_positions  # lazy: this package imports without the library loaded
-
-    return slot_positions(expert_ids.astype(jnp.int32), num_experts, priority_order)
-
-
-def _group_limit_reference(sel: jax.Array, n_group: int, topk_group: int, fill: float) -> jax.Array:
-    num_tokens, num_experts = sel.shape
-    grouped = sel.reshape(num_tokens, n_group, num_experts // n_group)
-    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # sum of the two best per group
-    _, keep = lax.top_k(group_scores, topk_group)
-    group_mask = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], keep].set(True)
-    mask = jnp.repeat(group_mask, num_experts // n_group, axis=1)
-    return jnp.where(mask, sel, jnp.float32(fill))
-
-
-def _priority(scores: jax.Array) -> jax.Array:
-    """Tutel's batch-prioritized placement order: descending best score, stable."""
-    return jnp.argsort(-jnp.max(scores, axis=1), stable=True)
-
-
-def gating_reference(
-    logits: jax.Array,
-    top_k: int,
-    *,
-    score_fn: str = "softmax",
-    correction_bias: jax.Array | None = None,
-    n_group: int = 1,
-    topk_group: int | None = None,
-    group_fill_value: float = 0.0,
-    normalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-    batch_prioritized_routing: bool = False,
-) -> GatingResult:
-    """Plain-JAX gating with the semantics in the module docstring (same signature as `gating`)."""
-    num_experts, k, n_group, topk_group = _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group)
-    x = logits.astype(jnp.float32)
-    scores = jax.nn.softmax(x, axis=1) if score_fn == "softmax" else jax.nn.sigmoid(x)
-    sel = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
-    if n_group > 1:
-        sel = _group_limit_reference(sel, n_group, topk_group, group_fill_value)
-    top_sel, top_ids = lax.top_k(sel, k)  # descending, ties to the lower index
-    expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
-    # without a bias or group limit the selected values ARE the scores (bit-identical to top_k_routing)
-    weights = top_sel.T if sel is scores else jnp.take_along_axis(scores, top_ids, axis=1).T
-    weights = _normalize(weights, k, score_fn, normalize, routed_scaling_factor)
-    priority = _priority(scores) if batch_prioritized_routing else None
-    locations, counts = slot_positions_reference(expert_ids, num_experts, priority)
-    return GatingResult(expert_ids, locations, weights, counts, scores)
-
-
-def _normalize(weights: jax.Array, k: int, score_fn: str, normalize: bool, scale: float) -> jax.Array:
-    if normalize and score_fn == "softmax" and k > 1:  # Tutel normalize_gate
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=0, keepdims=True), jnp.finfo(jnp.float32).eps)
-    elif normalize and score_fn == "sigmoid":  # HF norm_topk_prob
-        weights = weights / (jnp.sum(weights, axis=0, keepdims=True) + 1e-20)
-    if scale != 1.0:
-        weights = weights * jnp.float32(scale)
-    return weights
-
-
-def _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group):
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [S, E], got shape {logits.shape}")
-    num_experts = logits.shape[1]
-    if score_fn not in _SCORE_FNS:
-        raise ValueError(f"score_fn must be one of {_SCORE_FNS}, got {score_fn!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if correction_bias is not None and correction_bias.shape != (num_experts,):
-        raise ValueError(f"correction_bias must be [E={num_experts}], got {correction_bias.shape}")
-    n_group = int(n_group)
-    if n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group must divide E={num_experts}, got {n_group}")
-    if n_group > 1 and num_experts // n_group < 2:
-        raise ValueError("group-limited routing needs at least 2 experts per group")
-    topk_group = n_group if topk_group is None else int(topk_group)
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-    return num_experts, min(top_k, num_experts), n_group, topk_group
 
 
 # ------------------------------------------------------------------------------------------------- kernels
@@ -412,7 +282,13 @@ def _locations_from_blocks(ids, ranks, block_counts, num_experts, cfg, interpret
     return locations, counts
 
 
-def _slot_positions_kernel(expert_ids, num_experts, cfg, interpret):
+def slot_positions_triton(expert_ids: jax.Array, num_experts: int, cfg: GatingConfig, interpret: bool,
+                          priority_order: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`slot_positions` on the rank and locate kernels: (locations [k, S], counts [E])."""
+    expert_ids = expert_ids.astype(jnp.int32)
+    if priority_order is not None:  # rank in placement order, then scatter back to token order
+        locations, counts = slot_positions_triton(expert_ids[:, priority_order], num_experts, cfg, interpret)
+        return jnp.zeros_like(locations).at[:, priority_order].set(locations), counts
     k, num_tokens = expert_ids.shape
     ep, bt = next_pow2(num_experts), cfg.block_tokens
     nb = cdiv(num_tokens, bt)
@@ -426,7 +302,7 @@ def _slot_positions_kernel(expert_ids, num_experts, cfg, interpret):
     return _locations_from_blocks(expert_ids, ranks, block_counts, num_experts, cfg, interpret)
 
 
-def _check_kernel_experts(num_experts: int, limit: int, n_group: int = 1):
+def check_kernel_experts(num_experts: int, limit: int, n_group: int = 1):
     def check():
         if _expert_layout(num_experts, n_group)[2] > limit:
             groups = f" in {n_group} groups" if n_group > 1 else ""
@@ -434,87 +310,14 @@ def _check_kernel_experts(num_experts: int, limit: int, n_group: int = 1):
     return check
 
 
-# ------------------------------------------------------------------------------------------------------ ops
-
-
-def slot_positions(
-    expert_ids: jax.Array,
-    num_experts: int,
-    priority_order: jax.Array | None = None,
-    *,
-    implementation: str | None = "auto",
-    config: GatingConfig | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Tutel's slot of every assignment and the per-expert counts.
-
-    Args:
-      expert_ids: [k, S] int32 in [0, E).
-      num_experts: E.
-      priority_order: optional [S] permutation: tokens are placed in this order instead of token order.
-      implementation: "auto", "xla", "pallas" or "interpret".
-      config: kernel tiling (default: `default_gating_config`).
-
-    Returns:
-      (locations [k, S] int32, counts [E] int32), equal to `tutel_jax.routing.plan.slot_positions`.
-    """
-    k, num_tokens = expert_ids.shape
-    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS))
-    if impl == "xla":
-        return slot_positions_reference(expert_ids, num_experts, priority_order)
-    cfg = config or default_gating_config(num_tokens, num_experts)
-    ids = expert_ids.astype(jnp.int32)
-    if priority_order is not None:
-        ids = ids[:, priority_order]
-    locations, counts = _slot_positions_kernel(ids, num_experts, cfg, impl == "interpret")
-    if priority_order is not None:
-        locations = jnp.zeros_like(locations).at[:, priority_order].set(locations)
-    return locations, counts
-
-
-def gating(
-    logits: jax.Array,
-    top_k: int,
-    *,
-    score_fn: str = "softmax",
-    correction_bias: jax.Array | None = None,
-    n_group: int = 1,
-    topk_group: int | None = None,
-    group_fill_value: float = 0.0,
-    normalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-    batch_prioritized_routing: bool = False,
-    implementation: str | None = "auto",
-    config: GatingConfig | None = None,
-) -> GatingResult:
-    """Router scores, top-k choices, combine weights and Tutel slot locations (see the module docstring).
-
-    Args:
-      logits: [S, E] router logits (any float dtype; computed in float32).
-      top_k: k >= 1, clipped to E like Tutel.
-      score_fn: "softmax" or "sigmoid".
-      correction_bias: optional [E] bias added to the scores for selection only (DeepSeek-V3).
-      n_group, topk_group: group-limited selection (DeepSeek-V3's n_group / topk_group); n_group=1 disables it.
-      group_fill_value: selection score given to experts of dropped groups (HF: 0.0; DeepSeek inference: -inf).
-      normalize: Tutel's normalize_gate (softmax) or HF's norm_topk_prob (sigmoid).
-      routed_scaling_factor: multiplies the final weights.
-      batch_prioritized_routing: place tokens in descending order of their best score (Tutel).
-      implementation: "auto", "xla", "pallas" or "interpret".
-      config: kernel tiling (default: `default_gating_config`).
-
-    Returns:
-      GatingResult; no token is dropped here (compare locations with the capacity).
-    """
-    num_experts, k, n_group, topk_group = _check_args(logits, top_k, score_fn, correction_bias, n_group, topk_group)
-    impl = choose(implementation, _check_kernel_experts(num_experts, MAX_KERNEL_EXPERTS, n_group))
-    options = dict(score_fn=score_fn, correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
-                   group_fill_value=group_fill_value, normalize=normalize,
-                   routed_scaling_factor=routed_scaling_factor, batch_prioritized_routing=batch_prioritized_routing)
-    if impl == "xla":
-        return gating_reference(logits, k, **options)
-    interpret = impl == "interpret"
+def gating_triton(logits: jax.Array, k: int, num_experts: int, n_group: int, topk_group: int, *, score_fn: str,
+                  correction_bias: jax.Array | None, group_fill_value: float, normalize: bool,
+                  routed_scaling_factor: float, batch_prioritized_routing: bool, cfg: GatingConfig | None,
+                  interpret: bool) -> GatingResult:
+    """`gating` on the kernel family (arguments checked by the caller, k clipped to E)."""
     num_tokens = logits.shape[0]
     width = _expert_layout(num_experts, n_group)[2]  # the tile's columns
-    cfg = config or default_gating_config(num_tokens, width, grouped=n_group > 1)
+    cfg = cfg or default_gating_config(num_tokens, width, grouped=n_group > 1)
     bt = cfg.block_tokens
     nb = cdiv(num_tokens, bt)
     bias = jnp.zeros((num_experts,), jnp.float32) if correction_bias is None else correction_bias
@@ -532,7 +335,7 @@ def gating(
         grid=(nb,), num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
         name="tutel_gating")(logits, bias)
     if batch_prioritized_routing:  # the placement order depends on all tokens: re-rank in that order
-        locations, counts = slot_positions(ids, num_experts, _priority(scores), implementation=impl, config=cfg)
+        locations, counts = slot_positions_triton(ids, num_experts, cfg, interpret, priority_order(scores))
     else:
         locations, counts = _locations_from_blocks(ids, ranks, block_counts, num_experts, cfg, interpret)
     return GatingResult(ids, locations, weights, counts, scores)

@@ -1,12 +1,9 @@
-"""Quantized matmul: activations x FP8-block / MXFP4 / NVFP4 weights, dequantized inside the kernel.
+"""Quantized grouped matmul on Pallas Triton kernels (NVIDIA, AMD): activations x FP8-block / MXFP4 / NVFP4
+weights, dequantized inside the kernel; semantics are reference.py's.
 
-Ops:
-  quant_matmul(x[M, K], w[N, K] quantized) -> [M, N] = x @ dequant(w).T            (dense layers, decode)
-  quant_gmm(x[T, K], w[G, N, K] quantized, group_sizes[G]) -> [T, N]               (MoE experts, rows by expert)
-Weights keep the HF [out, in] layout (formats in quant.py). The references dequantize with the NumPy-exact
-dequantizers and multiply in float32 at HIGHEST precision.
+    quant_gmm_triton(x[T, K], w[G, N, K] quantized, group_sizes[G], ...) -> [T, N]
 
-Kernel: the grouped-matmul kernel of gmm.py (same tile schedule, grid and split-K) with a weight-tile loader
+Kernel: the grouped-matmul kernel of gmm/pallas_triton.py (same tile schedule, grid and split-K) with a weight-tile loader
 per format that turns the quantized bytes of one [block_n, block_k] tile into compute-dtype values in registers:
   - FP8 block: e4m3 -> compute dtype (exact in bf16); the 128x128 scale is constant over a K step (block_k
     divides 128), so it multiplies the step's float32 partial product per output column (DeepSeek's trick:
@@ -24,7 +21,7 @@ block_n = 64, block_k = 64 (a [64, 128] tile spills on every target), and split-
 programs per SM (`Target.num_sms`): each program streams a [64, 64] byte tile per step (4 KiB FP8, 2 KiB FP4)
 with 4 pipeline stages in flight (2 on MI300). The float32 partials [splits, M, N] are tiny at decode sizes and
 summed by XLA (deterministic, no atomics). Prefill (larger groups) uses 128-row tiles. FP8 on a target without
-e4m3 conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`quant.e4m3_to_f32`).
+e4m3 conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`formats.e4m3_to_f32`).
 """
 
 from __future__ import annotations
@@ -37,15 +34,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plt
 
-from ._select import NotSupported, choose
-from ._util import cdiv, col, next_pow2, row
-from .gmm import GmmConfig, grouped_matmul_call
-from .targets import current_target, get_target
-from .quant import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight,
-                    e2m1_to_f32, e4m3_to_f32, e8m0_to_f32)
+from .._select import NotSupported
+from .._util import cdiv, col, next_pow2, row
+from ..gmm import GmmConfig, grouped_matmul_call
+from ..targets import current_target, get_target
+from .formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight,
+                      e2m1_to_f32, e4m3_to_f32, e8m0_to_f32)
 
-__all__ = ["quant_matmul", "quant_gmm", "quant_matmul_reference", "quant_gmm_reference",
-           "default_quant_config", "QuantMatmulConfig", "QUANT_TILINGS", "DECODE_ROWS", "tiling_candidates"]
+__all__ = ["quant_gmm_triton", "check_triton", "default_quant_config", "QuantMatmulConfig", "QUANT_TILINGS",
+           "DECODE_ROWS", "tiling_candidates", "with_group_dim"]
 
 QuantMatmulConfig = GmmConfig  # same tiling fields (block_m, block_n, block_k, split_k, warps, stages)
 #: at most this many rows per group take the decode tiling (narrow N tiles, split-K)
@@ -255,105 +252,21 @@ def _operands(w: Any, num_groups: int):
     raise TypeError(f"expected Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got {type(w).__name__}")
 
 
-def _with_group_dim(w: Any) -> Any:
+def with_group_dim(w: Any) -> Any:
     """A single [N, K] quantized weight as a one-expert [1, N, K] weight (free reshapes)."""
     if isinstance(w, Nvfp4Weight):
         return Nvfp4Weight(w.packed[None], w.scale[None], w.global_scale.reshape(1, 1), w.global_multiplies)
     return jax.tree_util.tree_map(lambda a: a[None], w)
 
 
-# ----------------------------------------------------------------------------------------------- references
+def check_triton(w: Any, cfg: GmmConfig) -> None:
+    """NotSupported unless the Triton kernel takes `w` (with a leading group dim) at this tiling."""
+    _operands(w, w.shape[0])[0].check_block_k(cfg.block_k)
 
 
-def quant_matmul_reference(x: jax.Array, w: Any, *, out_dtype: Any = None) -> jax.Array:
-    """x [M, K] @ dequant(w [N, K]).T in float32 (HIGHEST), cast to out_dtype (default x.dtype)."""
-    out = jnp.dot(x.astype(jnp.float32), w.dequantize().T, precision=lax.Precision.HIGHEST)
-    return out.astype(out_dtype or x.dtype)
-
-
-def quant_gmm_reference(x: jax.Array, w: Any, group_sizes: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-    """`lax.ragged_dot(x, dequant(w).swapaxes(1, 2), group_sizes)` in float32 (HIGHEST)."""
-    rhs = jnp.swapaxes(w.dequantize(), 1, 2)
-    out = lax.ragged_dot(x.astype(jnp.float32), rhs, group_sizes.astype(jnp.int32),
-                         precision=lax.Precision.HIGHEST)
-    return out.astype(out_dtype or x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------------ ops
-
-
-def quant_gmm(
-    x: jax.Array,
-    w: Any,
-    group_sizes: jax.Array,
-    *,
-    out_dtype: Any = None,
-    implementation: str | None = "auto",
-    config: GmmConfig | None = None,
-) -> jax.Array:
-    """Per-expert quantized matmul (forward only; the weights are frozen).
-
-    Args:
-      x: [T, K] activations (bf16 or float32), rows sorted by expert.
-      w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight with a leading expert dim: [G, N, K] after dequantization.
-      group_sizes: [G] int32 rows per expert (rows past the sum give zeros).
-      out_dtype: default x.dtype.
-      implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the Mosaic TPU kernel of
-        tpu_quant_gmm.py; "auto" on a TPU falls back to XLA where it declines the call).
-      config: tiling of the Triton kernel (default `default_quant_config`; the TPU kernel has its own rule).
-
-    Returns:
-      [T, N].
-    """
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, K], got {x.shape}")
-    shape = w.shape
-    if len(shape) != 3 or shape[-1] != x.shape[1] or group_sizes.shape != (shape[0],):
-        raise ValueError(f"need w [G, N, K={x.shape[1]}] and group_sizes [G]; got w {shape}, "
-                         f"group_sizes {group_sizes.shape}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    cfg = config or default_quant_config(x.shape[0], shape[2], shape[1], shape[0], x.dtype)
-    loader, operands, n_dim, _ = _operands(w, shape[0])
-    from . import tpu_quant_gmm  # the Mosaic TPU kernel
-    from ._select import resolved_name
-    interpret = resolved_name(implementation) == "tpu_interpret"  # the interpreter skips the shard_map rule
-    impl = choose(implementation, lambda: loader.check_block_k(cfg.block_k),
-                  tpu=lambda: tpu_quant_gmm.check_supported(w, x.dtype, out_dtype, x.shape[0], interpret=interpret))
-    if impl == "xla":
-        return quant_gmm_reference(x, w, group_sizes, out_dtype=out_dtype)
-    if impl in ("tpu", "tpu_interpret"):
-        return tpu_quant_gmm.quant_gmm_tpu(x, w, group_sizes.astype(jnp.int32), out_dtype=out_dtype,
-                                           interpret=impl == "tpu_interpret")
+def quant_gmm_triton(x: jax.Array, w: Any, group_sizes: jax.Array, out_dtype: Any, cfg: GmmConfig,
+                     interpret: bool) -> jax.Array:
+    """`quant_gmm` on the grouped-matmul kernel with the format's weight-tile loader (arguments checked)."""
+    loader, operands, n_dim, _ = _operands(w, w.shape[0])
     return grouped_matmul_call(x, operands, loader, group_sizes.astype(jnp.int32), n_dim, out_dtype, cfg,
-                               impl == "interpret", name=f"tutel_quant_gmm_{w.format}")
-
-
-def quant_matmul(
-    x: jax.Array,
-    w: Any,
-    *,
-    out_dtype: Any = None,
-    implementation: str | None = "auto",
-    config: GmmConfig | None = None,
-) -> jax.Array:
-    """x @ dequant(w).T with the dequantization inside the kernel (forward only).
-
-    Args:
-      x: [M, K] activations (bf16 or float32).
-      w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight of logical shape [N, K] (HF [out, in]).
-      out_dtype: default x.dtype.
-      implementation: "auto", "xla", "pallas" or "interpret".
-      config: tiling (default `default_quant_config`: split-K for M <= 64).
-
-    Returns:
-      [M, N].
-    """
-    if x.ndim != 2 or len(w.shape) != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"need x [M, K] and w [N, K] with the same K; got {x.shape} and {w.shape}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    cfg = config or default_quant_config(x.shape[0], w.shape[1], w.shape[0], 1, x.dtype)
-    impl = choose(implementation, lambda: _operands(_with_group_dim(w), 1)[0].check_block_k(cfg.block_k))
-    if impl == "xla":
-        return quant_matmul_reference(x, w, out_dtype=out_dtype)
-    sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return quant_gmm(x, _with_group_dim(w), sizes, out_dtype=out_dtype, implementation=impl, config=cfg)
+                               interpret, name=f"tutel_quant_gmm_{w.format}")

@@ -1,0 +1,17 @@
+"""Fused gating: router scores -> top-k -> Tutel slot locations (`gating`), and `slot_positions`.
+
+| file | what |
+|---|---|
+| reference.py | the semantics in plain JAX, the reference every backend equals |
+| api.py | `gating` / `slot_positions`: backend choice |
+| pallas_triton.py | the Pallas Triton kernel family (NVIDIA, AMD) and its tilings per target |
+"""
+
+from .api import gating, slot_positions
+from .pallas_triton import (GATING_TILINGS, MAX_KERNEL_EXPERTS, GatingConfig, GatingTiling, default_gating_config,
+                            tiling_candidates)
+from .reference import GatingResult, gating_reference, slot_positions_reference
+
+__all__ = ["gating", "slot_positions", "gating_reference", "slot_positions_reference", "GatingResult",
+           "GatingConfig", "GatingTiling", "GATING_TILINGS", "MAX_KERNEL_EXPERTS", "default_gating_config",
+           "tiling_candidates"]

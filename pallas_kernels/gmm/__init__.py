@@ -1,0 +1,19 @@
+"""Grouped matmul (ragged dot): `gmm` and its weight gradient `tgmm`.
+
+| file | what |
+|---|---|
+| reference.py | the semantics in plain JAX (`lax.ragged_dot`), the reference every backend equals |
+| api.py | `gmm` / `tgmm`: backend choice and the custom VJP |
+| pallas_triton.py | Pallas Triton kernels (NVIDIA, AMD), their tilings per target, the weight-tile loader protocol |
+| pallas_mosaic_tpu.py | JAX's Mosaic megablox kernels (TPU) |
+| pallas_mosaic_gpu.py | tokamax's Mosaic GPU ragged_dot (Hopper, Blackwell; by name only) |
+"""
+
+from .api import gmm, tgmm
+from .pallas_triton import (GMM_TILINGS, TGMM_TILINGS, DenseRhs, GmmConfig, default_gmm_config,
+                            default_tgmm_config, group_metadata, grouped_matmul_call, tiling_candidates)
+from .reference import clamp_group_sizes, gmm_reference, tgmm_reference
+
+__all__ = ["gmm", "tgmm", "gmm_reference", "tgmm_reference", "clamp_group_sizes", "GmmConfig", "DenseRhs",
+           "GMM_TILINGS", "TGMM_TILINGS", "default_gmm_config", "default_tgmm_config", "group_metadata",
+           "grouped_matmul_call", "tiling_candidates"]

@@ -1,0 +1,25 @@
+"""Quantized matmul: activations x FP8-block / MXFP4 / NVFP4 weights, dequantized inside the kernel.
+
+| file | what |
+|---|---|
+| formats.py | the weight containers, their bit decoders, NumPy-exact dequantizers and test quantizers |
+| reference.py | the semantics in plain JAX, the reference every backend equals |
+| api.py | `quant_matmul` / `quant_gmm`: backend choice |
+| pallas_triton.py | the grouped-matmul Triton kernel with a weight-tile loader per format, tilings per target |
+| pallas_mosaic_tpu.py | a Mosaic kernel that dequantizes in VMEM (TPU) |
+"""
+
+from .api import quant_gmm, quant_matmul
+from .formats import (E2M1_LUT, FP8_BLOCK, FP8_MAX, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight,
+                      Mxfp4Weight, Nvfp4Weight, QuantizedWeight, dequant_fp8_block, dequant_mxfp4, dequant_nvfp4,
+                      e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4,
+                      unpack_fp4, weight_bytes)
+from .pallas_triton import DECODE_ROWS, QUANT_TILINGS, QuantMatmulConfig, default_quant_config, tiling_candidates
+from .reference import quant_gmm_reference, quant_matmul_reference
+
+__all__ = ["quant_matmul", "quant_gmm", "quant_matmul_reference", "quant_gmm_reference", "E2M1_LUT", "FP8_MAX",
+           "FP8_BLOCK", "MXFP4_BLOCK", "NVFP4_BLOCK", "Fp8BlockWeight", "Mxfp4Weight",
+           "Nvfp4Weight", "QuantizedWeight", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
+           "quantize_fp8_block", "quantize_mxfp4", "quantize_nvfp4", "e2m1_to_f32", "e8m0_to_f32", "e4m3_to_f32",
+           "unpack_fp4", "weight_bytes", "QuantMatmulConfig", "QUANT_TILINGS", "DECODE_ROWS",
+           "default_quant_config", "tiling_candidates"]
