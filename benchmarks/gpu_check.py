@@ -37,7 +37,7 @@ pallas_call fails (it would compare XLA with XLA).
     (exact). XLA:CPU cannot compile ragged_all_to_all: on a CPU those two are recorded as skipped with that
     reason, after checking that they lower to the real primitive. On a GPU the expert-parallel side runs with
     the kernels (kernel_backend='auto', inside shard_map); in --dry-run it runs the plain XLA layer, because
-    Pallas' interpreter cannot evaluate a kernel inside shard_map(check_vma=True) (tests/test_pallas_lowering.py
+    Pallas' interpreter cannot evaluate a kernel inside shard_map(check_vma=True) (tests/kernels/test_pallas_lowering.py
     proves by lowering that the kernels go inside the expert-parallel layer).
  5. timings: the dense bf16 matmul and copy ceilings, gmm and the quantized decode matmuls against them
     (gpu_kernels `measure_ceilings` and the 'gmm' and 'quant' sections of `run_timings`); a missed target is

@@ -1,12 +1,12 @@
-"""Shared helpers: fixture paths and loaders. Tests run on CPU; meshes use fake host devices."""
+"""Test session set-up: tests run on CPU, meshes use 8 fake host devices. Shared fixtures: the Tutel oracle
+cases, the qwen3_moe model and its prompts. Shared helpers live in tests/support/."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-from xla_flags import with_fast_compile
+from support.paths import HF, TUTEL
+from support.xla_flags import with_fast_compile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 fake CPU devices for mesh tests; must be set before JAX initialises its backend
@@ -14,38 +14,26 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
 
-import numpy as np
-import pytest
+import numpy as np  # noqa: E402 - after the flags (numpy does not read them; kept with the other imports)
+import pytest  # noqa: E402
+from support.tutel_cases import TutelCase  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TUTEL_CASES = sorted(p.name for p in (FIXTURES / "tutel").iterdir() if p.is_dir())
-
-
-class TutelCase:
-    """One Tutel oracle case: its config, state dict file and recorded arrays."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.dir = FIXTURES / "tutel" / name
-        self.meta = json.loads((self.dir / "meta.json").read_text())
-        self.config = self.meta["config"]
-
-    def array(self, name: str) -> np.ndarray:
-        return np.load(self.dir / f"{name}.npy")
-
-    def layer_kwargs(self) -> dict:
-        c, m = self.config, self.meta
-        return dict(
-            gate_type={"type": c["gate"], "k": c["k"], "capacity_factor": c["capacity_factor"],
-                       "fp32_gate": c["fp32_gate"], "gate_noise": c["gate_noise"]},
-            model_dim=m["model_dim"],
-            experts={"type": "ffn", "count_per_node": m["num_experts"], "hidden_size_per_expert": m["hidden"],
-                     "activation_fn": c["activation"]},
-            is_postscore=c["is_postscore"], batch_prioritized_routing=c["batch_prioritized_routing"],
-            normalize_gate=c["normalize_gate"], is_gshard_loss=c["is_gshard_loss"],
-        )
+TUTEL_CASES = sorted(p.name for p in TUTEL.iterdir() if p.is_dir())
 
 
 @pytest.fixture(params=TUTEL_CASES)
 def tutel_case(request) -> TutelCase:
     return TutelCase(request.param)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The qwen3_moe HF fixture (tests/fixtures/hf/qwen3_moe) as `from_pretrained` loads it, once per module."""
+    from tutel_jax.models import from_pretrained  # after the XLA flags above are set
+    return from_pretrained(HF / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """The qwen3_moe fixture's prompts [2, 12] (its expected.npz)."""
+    return np.load(HF / "qwen3_moe" / "expected.npz")["input_ids"]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tutel_jax.cli import main
+from support.paths import HF
 
-HF = Path(__file__).parent / "fixtures" / "hf"
 
 
 def test_usage_and_unknown_command(capsys):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from xla_flags import with_fast_compile
+from support.xla_flags import with_fast_compile
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "helloworld.py"
 TIMEOUT_S = 240
 TINY = ["--batch_size", "2", "--num_tokens", "16", "--model_dim", "32", "--hidden_size", "64"]

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_generate_streaming import model, prompts  # noqa: F401  (fixtures: the qwen3_moe model, its prompts)
 from tutel_jax.cli import main
 from tutel_jax.serving import generate
+from support.paths import HF
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3_moe"
+FIXTURE = HF / "qwen3_moe"
 CONTEXT = 128  # the fixture's max_position_embeddings
 
 

@@ -1,12 +1,11 @@
 """README's two set-up commands stay true: CI runs README's test command, and the main job has no arguments."""
 
-from pathlib import Path
+from support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _setup_commands():
-    text = (ROOT / "README.md").read_text()
+    text = (REPO / "README.md").read_text()
     section = text.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
     return [line.strip() for line in section.splitlines() if line.startswith("    ")]
 
@@ -19,7 +18,7 @@ def test_readme_has_exactly_two_setup_commands():
 
 
 def test_ci_runs_readme_test_command():
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
     test_command = _setup_commands()[1]
     install_and_test = test_command.split(". .venv/bin/activate && ", 1)[1]
     assert install_and_test in ci

@@ -11,7 +11,7 @@ dtype and shape (`quant_layout.checkpoint_layout`, packed formats included), the
 the MoE block (`moe_block.hf_moe_block`: stacked experts, gate dtypes, shared experts) and the placement
 (`placement.MeshPlacement`: routed experts split over the expert axis, the rest replicated). The real loader
 cannot be run on abstract values: it transposes, fuses and stacks NumPy arrays, which for a real-size layer
-means gigabytes on the host. `tests/test_compile_cli.py` checks this tree against the real loader's, leaf by
+means gigabytes on the host. `tests/compile/test_compile_cli.py` checks this tree against the real loader's, leaf by
 leaf, for every family and quantized format.
 """
 

@@ -1,0 +1,34 @@
+"""`benchmarks/real_size.py --quick` end to end on the depth- and width-reduced GPT-OSS layout (a few MB): the
+checkpoint is generated, loaded packed, compiled at several depths, prefilled and decoded, and the result files
+are written, and `tutel-jax serve` answers the openai client. Timings are not asserted; the load-memory bound and
+the result's structure are."""
+
+from __future__ import annotations
+
+from support.benchmark_run import run_quick
+
+
+def test_real_size_benchmark_quick(tmp_path):
+    out = tmp_path / "real_size.json"
+    run = run_quick("real_size", out, "--models", "gpt-oss-20b-tiny", "--cache-dir", str(tmp_path / "cache"))
+    (result,) = run["results"]
+    assert result["model"] == "gpt-oss-20b-tiny" and result["shards"] == 1
+    assert result["expert_formats"] == ["float", "mxfp4"]  # biases float, weights packed
+    assert result["rss_within_bound"] and result["peak_rss_load_bytes"] <= result["rss_bound_bytes"]
+    assert result["checkpoint_bytes"] == (tmp_path / "cache" / "gpt-oss-20b-tiny" / "model.safetensors").stat().st_size
+    # the per-layer programs (what the real depths pick), and the whole-model program for comparison
+    assert result["per_layer_jit"] is True
+    assert set(result["compile_s"]) == set(result["compile_whole_s"]) == {"1", "2", "4"}
+    assert set(result["decode"]) == {"1", "8"}
+    for d in result["decode"].values():
+        assert d["tokens_per_s"] > 0 and 0 < d["roofline_ratio"] and d["bytes_per_step"] > 0
+    # batch 8 reads more experts than batch 1, never more than all of them
+    assert result["decode"]["1"]["bytes_per_step"] < result["decode"]["8"]["bytes_per_step"] <= result["resident_bytes"]
+    # `tutel-jax serve` answered the openai client (non-stream and stream) and the concurrent clients
+    serve = result["serve"]
+    assert serve["chat_completion_tokens"] == 4 and serve["chat_finish"] == "length"
+    assert serve["stream_finish"] == "length" and serve["stream_chunks"] >= 2
+    assert serve["clients"] == 2 and serve["requests"] == 4 and serve["requests_per_s"] > 0
+    assert 0 < serve["latency_p50_s"] <= serve["latency_p99_s"] and serve["max_len"] == 64
+    md = out.with_suffix(".md").read_text()
+    assert "| gpt-oss-20b-tiny |" in md and "peak RSS" in md

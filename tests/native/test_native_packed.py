@@ -1,0 +1,267 @@
+"""The native CPU kernels on packed weights: `native.moe_experts` (FP8 block, MXFP4, NVFP4 and float experts,
+SwiGLU and GPT-OSS) and `native.dense` (a linear layer for a few rows).
+
+References: float64 NumPy on the weights' exact float32 dequantization (`pallas_kernels.quant`'s dequantizers,
+themselves checked against NumPy in test_pallas_quant), tolerance 1e-5 of the output's scale; the MoE layer's
+XLA 'loop' path (1e-5); the fixture models through the XLA paths (greedy tokens equal, logits within 1e-5) and
+transformers' (expected.npz). Shapes cover the decode form (<= 8 rows per expert) and the many-row form, wide
+(128) and narrow (32) FP4 chunks, scalar K tails, partial FP8 scale blocks and output blocks. The AVX-512 paths
+run here; the portable C++ runs the same checks in a subprocess built with TUTEL_JAX_NATIVE_PORTABLE=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.quant import Nvfp4Weight
+from tutel_jax import dropless
+from tutel_jax.config import make_config
+from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.models import context_from_mask, from_pretrained
+from tutel_jax.native import build, dense, moe_experts
+from tutel_jax.serving import generate
+from support.paths import HF, REPO
+
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler: the native kernels cannot "
+                                                                     "be built on this machine")
+
+# (M, I) per format: K tails of every kind (FP8: 200 = 6 x 32 + 8; MXFP4: 224 = 128 + 3 x 32; NVFP4: 208 =
+# 128 + 2 x 32 + 16, and I = 48 = 32 + 16)
+DIMS = {"fp8_block": (200, 72), "mxfp4": (224, 96), "nvfp4": (208, 48), "nvfp4_mul": (208, 48),
+        "float32": (72, 40), "bfloat16": (72, 40)}
+FORMATS = list(DIMS)
+SHAPES = {"decode": (6, 2, 8), "prefill": (48, 2, 4)}  # (S, k, E): <= 8 rows per expert, then ~24
+
+
+def _quantize(rng, shape, fmt):
+    """A weight of logical shape [..., out, in] in `fmt`, and its float64 [..., out, in] value."""
+    w = jnp.asarray(rng.normal(size=shape).astype(np.float32) * shape[-1] ** -0.5)
+    if fmt in ("float32", "bfloat16"):
+        kernel = jnp.swapaxes(w, -1, -2).astype(fmt)  # float weights are [in, out] kernels
+        return kernel, np.swapaxes(np.asarray(kernel, np.float64), -1, -2)
+    if fmt == "nvfp4_mul":  # ModelOpt: the global scale multiplies
+        q = pallas_kernels.quantize_nvfp4(w)
+        q = Nvfp4Weight(q.packed, q.scale, 1.0 / q.global_scale, global_multiplies=True)
+    else:
+        q = getattr(pallas_kernels, f"quantize_{fmt}")(w)
+    return q, np.asarray(q.dequantize(), np.float64)
+
+
+def _moe_reference(x, ids, enc, dec, w1, w2, b1, b2, glu, alpha=1.702, limit=7.0):
+    """float64: w1 [E, 2I, M] ([gate | up] halves for 'swiglu', interleaved for 'gpt_oss'), w2 [E, Mo, I]."""
+    y = np.zeros((x.shape[0], w2.shape[1]))
+    hidden = w2.shape[2]
+    for k, s in np.ndindex(*ids.shape):
+        e = int(ids[k, s])
+        if not 0 <= e < w1.shape[0] or enc[k, s] == 0 or dec[k, s] == 0:
+            continue
+        h = w1[e] @ (float(enc[k, s]) * x[s].astype(np.float64)) + (0 if b1 is None else b1[e])
+        if glu == "swiglu":
+            a = h[:hidden] / (1 + np.exp(-h[:hidden])) * h[hidden:]
+        else:
+            gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
+            a = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+        y[s] += float(dec[k, s]) * (w2[e] @ a + (0 if b2 is None else b2[e]))
+    return y
+
+
+def _close(got, ref, tol=1e-5):
+    got = np.asarray(got)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max())))
+
+
+def _moe_case(fmt, shape, glu, seed=0):
+    rng = np.random.default_rng(seed)
+    (tokens, k, experts), (model_dim, hidden) = SHAPES[shape], DIMS[fmt]
+    out_dim = 150  # not a multiple of the 64-wide output blocks
+    x = rng.normal(size=(tokens, model_dim)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)], axis=1).astype(np.int32)
+    enc = rng.uniform(0.5, 1.5, size=ids.shape).astype(np.float32)
+    dec = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
+    ids[0, 0], ids[-1, -1] = -1, 2 ** 30  # not this device's experts: skipped
+    enc[0, 1] = 0.0  # dropped assignments: skipped
+    dec[-1, 0] = 0.0
+    w2, w2_ref = _quantize(rng, (experts, out_dim, hidden), fmt)
+    kwargs, b1, b2 = {}, None, None
+    if glu == "gpt_oss":
+        w1, w1_ref = _quantize(rng, (experts, 2 * hidden, model_dim), fmt)
+        b1 = rng.normal(size=(experts, 2 * hidden)).astype(np.float32)
+        b2 = rng.normal(size=(experts, out_dim)).astype(np.float32)
+        kwargs = dict(b1=b1, b2=b2, glu="gpt_oss", alpha=1.702, limit=7.0)
+    elif fmt in ("float32", "bfloat16"):  # float SwiGLU: one fused [E, M, 2I] kernel, gate columns first
+        w1, w1_ref = _quantize(rng, (experts, 2 * hidden, model_dim), fmt)
+    else:  # packed SwiGLU: gate and up apart
+        w1, gate_ref = _quantize(rng, (experts, hidden, model_dim), fmt)
+        up, up_ref = _quantize(rng, (experts, hidden, model_dim), fmt)
+        w1_ref = np.concatenate([gate_ref, up_ref], axis=1)
+        kwargs = dict(up=up)
+    ref = _moe_reference(x, ids, enc, dec, w1_ref, w2_ref, b1, b2, glu)
+    return (x, ids, enc, dec, w1, w2), kwargs, ref
+
+
+def check_kernels_against_reference(shapes=tuple(SHAPES)) -> None:
+    """Every format and GLU, in `shapes`, through both kernels (the portable build's subprocess)."""
+    for fmt in FORMATS:
+        for shape in shapes:
+            for glu in ("swiglu", "gpt_oss"):
+                args, kwargs, ref = _moe_case(fmt, shape, glu)
+                _close(jax.jit(lambda *a, kw=kwargs: moe_experts(*a, **kw))(*args), ref)
+        _check_dense(fmt)
+
+
+def _check_dense(fmt, seed=1):
+    rng = np.random.default_rng(seed)
+    model_dim = DIMS[fmt][0]
+    w, w_ref = _quantize(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
+    b = rng.normal(size=(600,)).astype(np.float32)
+    for rows in (1, 3, 11):  # one row, a few, more than one register pass of 8
+        x = rng.normal(size=(rows, model_dim)).astype(np.float32)
+        _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
+        _close(jax.jit(dense)(x, w, b), x.astype(np.float64) @ w_ref.T + b)
+
+
+@needs_compiler
+@pytest.mark.parametrize("glu", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_kernel_matches_float64_reference(fmt, shape, glu):
+    args, kwargs, ref = _moe_case(fmt, shape, glu)
+    _close(jax.jit(lambda *a: moe_experts(*a, **kwargs))(*args), ref)
+    # one worker: the same sums (each output block is summed in expert order whatever the thread count)
+    one = jax.jit(lambda *a: moe_experts(*a, **kwargs, max_workers=1))(*args)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(jax.jit(lambda *a: moe_experts(*a, **kwargs))(*args)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dense_kernel_matches_float64_reference(fmt):
+    _check_dense(fmt)
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_mul"])
+def test_nvfp4_long_rows_with_every_kind_of_scale(fmt):
+    """NVFP4 rows of 67 wide chunks + a 32 and a 16 tail (the kernel decodes scales 16 at a time, 64 chunks per
+    pass: both passes, a vector and a scalar part), with zero and subnormal e4m3 scale codes among them."""
+    rng = np.random.default_rng(2)
+    model_dim = 128 * 67 + 32 + 16
+    w, _ = _quantize(rng, (70, model_dim), fmt)
+    codes = np.asarray(w.scale).view(np.uint8).copy()
+    codes[:, ::7], codes[:, 3::11] = 0x00, 0x03  # zero, subnormal (3 x 2^-9)
+    w = Nvfp4Weight(w.packed, jnp.asarray(codes.view(np.asarray(w.scale).dtype)), w.global_scale,
+                    global_multiplies=w.global_multiplies)
+    w_ref = np.asarray(w.dequantize(), np.float64)
+    for rows in (1, 3):
+        x = rng.normal(size=(rows, model_dim)).astype(np.float32)
+        _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
+
+
+@needs_compiler
+def test_dense_leading_axes_and_errors():
+    rng = np.random.default_rng(2)
+    w, w_ref = _quantize(rng, (40, 64), "mxfp4")
+    x = rng.normal(size=(2, 3, 64)).astype(np.float32)
+    _close(dense(x, w), x.astype(np.float64) @ w_ref.T)
+    with pytest.raises(ValueError, match=r"x \[..., 32\] does not match the weight's K=64"):
+        dense(x[..., :32], w)
+    with pytest.raises(ValueError, match=r"bias must be \[40\]"):
+        dense(x, w, np.zeros(41, np.float32))
+    with pytest.raises(ValueError, match="cannot read float16 weights"):
+        dense(x, np.zeros((64, 8), np.float16))
+
+
+@needs_compiler
+def test_moe_kernel_errors():
+    args, kwargs, _ = _moe_case("mxfp4", "decode", "gpt_oss")
+    x, ids, enc, dec, w1, w2 = args
+    with pytest.raises(ValueError, match="glu must be one of"):
+        moe_experts(*args, glu="relu")
+    with pytest.raises(ValueError, match=r"b1 must be \[E=8, 192\]"):
+        moe_experts(*args, b1=kwargs["b1"][:, :-1], glu="gpt_oss")
+    with pytest.raises(ValueError, match=r"W1 must map M=192 to 2I=192 outputs"):
+        moe_experts(x[:, :192], ids, enc, dec, w1, w2)
+
+
+@needs_compiler
+def test_portable_build_matches_reference(tmp_path):
+    """The C++ without AVX-512 (what other CPUs run), built apart, on the same checks (the decode shapes: the
+    portable code has one form for any number of rows)."""
+    env = dict(os.environ, TUTEL_JAX_NATIVE_PORTABLE="1", TUTEL_JAX_CACHE=str(tmp_path / "cache"),
+               JAX_PLATFORMS="cpu")
+    code = ("import sys; sys.path[:0] = ['tests/native', 'tests']; import test_native_packed as t; "
+            "t.check_kernels_against_reference(('decode',)); print('portable ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "portable ok" in done.stdout
+    assert len(list((tmp_path / "cache").glob("*.so"))) == 2  # moe_cpu and dense_cpu, built for this run
+
+
+TOP4 = {"type": "top", "k": 4}
+
+
+@needs_compiler
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("expert_type", ["swiglu", "gpt_oss"])
+def test_layer_native_equals_loop_and_auto_picks_it(expert_type, fmt):
+    experts = {"type": expert_type, "count_per_node": 16, "hidden_size_per_expert": 64, "weight_format": fmt}
+    native = make_config(TOP4, 128, experts, dropless_impl="native")
+    loop = make_config(TOP4, 128, experts, dropless_impl="loop")
+    auto = make_config(TOP4, 128, experts)
+    assert dropless.resolve_impl("auto", auto.experts, 8, 16) == "native"  # CPU, packed experts
+    params = init_params(native, jax.random.key(0))
+    for tokens in (3, 100):
+        x = jax.random.normal(jax.random.key(tokens), (tokens, 128))
+        y, _ = jax.jit(lambda p, x: moe_apply(p, x, native, capacity_factor=0.0))(params, x)
+        ref, _ = jax.jit(lambda p, x: moe_apply(p, x, loop, capacity_factor=0.0))(params, x)
+        _close(y, np.asarray(ref, np.float64))
+
+
+_XLA: dict = {}
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", ["gpt_oss_mxfp4", "qwen3_moe_nvfp4", "deepseek_v3_fp8", "gpt_oss"])
+def test_fixture_models_native_equal_xla(case):
+    """Every MoE layer and dense projection native: the XLA paths' logits (1e-5), and transformers' logits (the
+    fixtures' 1e-4) and greedy tokens."""
+    model = from_pretrained(HF / case, dropless_impl="native", dense_impl="native")
+    xla = from_pretrained(HF / case, dropless_impl="loop", dense_impl="xla")
+    e = dict(np.load(HF / case / "expected.npz"))
+    ids = jnp.asarray(e["input_ids"])
+    ctx = context_from_mask(jnp.ones(ids.shape, bool))
+    logits = np.asarray(model.apply(model.params, ids, ctx)[0])
+    ref = np.asarray(xla.apply(xla.params, ids, ctx)[0])
+    _close(logits, ref.astype(np.float64))
+    np.testing.assert_allclose(logits, e["logits"], rtol=1e-4, atol=1e-4)
+    # (the XLA path's own greedy tokens are checked against the fixtures in test_models_hf)
+    np.testing.assert_array_equal(generate(model, e["input_ids"], 8).sequences, e["greedy"])
+
+
+@needs_compiler
+def test_dense_auto_rule():
+    """'auto' takes the kernel for a few rows of a bfloat16 or packed weight on CPU, XLA otherwise."""
+    from tutel_jax.native.dense import MAX_ROWS, worth_it
+    bf16 = jnp.zeros((64, 32), jnp.bfloat16)
+    packed = pallas_kernels.quantize_mxfp4(jnp.ones((32, 64)))
+    assert worth_it(jnp.zeros((1, 1, 64)), bf16) and worth_it(jnp.zeros((MAX_ROWS, 64)), packed)
+    assert not worth_it(jnp.zeros((MAX_ROWS + 1, 64)), bf16)  # a prefill: XLA's matmul
+    assert not worth_it(jnp.zeros((1, 64)), jnp.zeros((64, 32), jnp.float32))
+    assert not worth_it(jnp.zeros((1, 64)), jnp.zeros((64, 32), jnp.float16))
+    with pytest.raises(ValueError, match="dense_impl must be one of"):
+        from_pretrained(HF / "qwen3_moe", dense_impl="fast")
+    bf = ml_dtypes.bfloat16  # the model in bfloat16: 'auto' decodes through the kernel, same greedy tokens
+    e = dict(np.load(HF / "qwen3_moe" / "expected.npz"))
+    auto = generate(from_pretrained(HF / "qwen3_moe", dtype=bf), e["input_ids"], 4).sequences
+    xla = generate(from_pretrained(HF / "qwen3_moe", dtype=bf, dense_impl="xla"), e["input_ids"], 4).sequences
+    assert auto.shape == xla.shape and (auto == xla).mean() >= 0.9
