@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Literal
 
-from .targets import compile_platform, current_target
+from .targets import compile_platform
 
 __all__ = ["ENV_VAR", "IMPLEMENTATIONS", "AUTO_ORDER", "Implementation", "NotSupported", "resolve", "resolved_name",
            "gpu_backend", "choose", "TPU_IMPLEMENTATIONS", "environment_choice", "MOSAIC_GPU_TARGETS"]

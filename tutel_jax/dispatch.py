@@ -12,7 +12,6 @@ scatter-add over [E, C, M]; no one-hot [S, E, C] tensor is ever formed); a kerne
 
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,6 @@ use the library's differentiable routing).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from .._select import choose
 from .pallas_triton import (MAX_KERNEL_EXPERTS, GatingConfig, check_kernel_experts, default_gating_config,

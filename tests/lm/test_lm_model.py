@@ -23,7 +23,7 @@ from tutel_jax.checkpoint.safetensors_io import open_checkpoint
 from tutel_jax.lm import LMSize, bits_per_byte, byte_tokenizer, causal_context, export_lm, init_lm, lm_eval, lm_loss
 from tutel_jax.lm import moe_config
 from tutel_jax.models import from_pretrained, spec_from_config
-from tutel_jax.models.causal_lm import forward
+from tutel_jax.models.decoder import forward
 from tutel_jax.models.hf_tables import attention_table, expected_shapes, load_params, mlp_prefix
 from tutel_jax.models.random_init import hf_tensor_shapes, random_hf_tensors
 from support.paths import HF

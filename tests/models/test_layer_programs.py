@@ -13,7 +13,8 @@ import pytest
 
 from tutel_jax.models import from_pretrained
 from tutel_jax.models import layer_programs
-from tutel_jax.models.causal_lm import PER_LAYER_MIN_LAYERS, context_from_mask
+from tutel_jax.models.causal_lm import PER_LAYER_MIN_LAYERS
+from tutel_jax.models.decoder import context_from_mask
 from tutel_jax.models.layers import AttnContext
 from tutel_jax.models.random_init import random_hf_tensors
 from tutel_jax.serving import generate

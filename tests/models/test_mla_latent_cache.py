@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.models import from_pretrained
-from tutel_jax.models.causal_lm import context_from_mask
+from tutel_jax.models.decoder import context_from_mask
 from tutel_jax.models.layers import AttnContext
 from support.paths import HF
 

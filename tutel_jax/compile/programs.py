@@ -23,11 +23,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..models.attention import cache_dims
-from ..models.causal_lm import decoder_layer, embed, head
+from ..models.decoder import decoder_layer, embed, head
 from ..models.layer_programs import LayerPrograms, _programs
 from ..models.layers import AttnContext
 from .weights import AbstractModel

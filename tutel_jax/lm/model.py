@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from ..config import MoEConfig
 from ..autotune import LOAD_RATIO_KEY, load_ratio
 from ..layer import MoEAux, moe_apply
-from ..models.causal_lm import CausalLM, forward
+from ..models.causal_lm import CausalLM
+from ..models.decoder import forward
 from ..models.export import save_pretrained
 from ..models.hf_tables import load_params
 from ..models.layers import AttnContext

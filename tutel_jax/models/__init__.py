@@ -6,7 +6,8 @@ deepseek_v3, glm4_moe, gpt_oss, olmoe and aliases), one module each in `models/f
     logits = model(input_ids)                           # [B, T] -> float32 [B, T, V]
 """
 
-from .causal_lm import CausalLM, context_from_mask, forward, from_pretrained
+from .causal_lm import CausalLM, from_pretrained
+from .decoder import context_from_mask, forward
 from .export import save_pretrained
 from .layers import AttnContext
 from .memory import MemoryReport, memory_report

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from .causal_lm import decoder_layer, embed, forward, head
+from .decoder import decoder_layer, embed, forward, head
 from .layers import AttnContext
 from .spec import DecoderSpec
 

@@ -1,5 +1,5 @@
 """Thin Flax NNX wrapper of a CausalLM: parameters as `nnx.Param` (DeepSeek's `e_score_correction_bias` as the
-MoE module's non-trainable `RouterState`), forward = the pure `causal_lm.forward`."""
+MoE module's non-trainable `RouterState`), forward = the pure `decoder.forward`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..module import _unbox, _wrap_params
-from .causal_lm import CausalLM, context_from_mask, forward
+from .causal_lm import CausalLM
+from .decoder import context_from_mask, forward
 
 __all__ = ["NNXCausalLM"]
 
