@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import jax
+from jax.experimental import topologies
 
 __all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "PLATFORMS", "current_target", "use_target", "target_of_device",
            "target_of_kind", "compile_platform", "platform_name", "lowering_context", "get_target",
@@ -268,7 +269,6 @@ def gpu_target_config(device_kind: str) -> str:
 def gpu_topology(device_kind: str, devices: int = 1, name: str = "gpu") -> Any:
     """A `jax.experimental.topologies` description of `devices` GPUs of `device_kind` on one host (topology
     1x1xN); its `.devices` are compile-only. Needs JAX >= 0.12 and the CUDA plugin."""
-    from jax.experimental import topologies  # lazy: a large module that only deviceless compiles need
     return topologies.get_topology_desc(name, platform="cuda", target_config=gpu_target_config(device_kind),
                                         topology=f"1x1x{int(devices)}")
 

@@ -9,6 +9,8 @@ Public surface:
   linen.MoELinen             Flax Linen adapter
 """
 
+import importlib
+
 from . import moe
 from .config import MoEConfig, make_config
 from .dispatch import fast_decode, fast_encode
@@ -31,6 +33,5 @@ _LAZY_SUBMODULES = ("models", "serving", "parallel", "checkpoint", "reconfigure"
 
 def __getattr__(name):  # heavier subpackages load on first use: `tutel_jax.models.from_pretrained(...)`
     if name in _LAZY_SUBMODULES:
-        import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from . import execution
+from . import backends
+from .native import NativeKernelError
+from .native.moe import ensure_registered
 from .routing.plan import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
@@ -152,7 +154,7 @@ def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int,
     to the ragged path, when an [E, S, M] buffer of `row_bytes`-byte rows is at most CPU_FULL_BUFFER_BYTES
     (e.g. the prefill of a short prompt whose tokens crowd onto a few experts)."""
     caps = tuple(capacities)
-    if (execution.platform() != "cpu" or caps[-1] >= num_tokens
+    if (backends.platform() != "cpu" or caps[-1] >= num_tokens
             or num_experts * num_tokens * row_bytes > CPU_FULL_BUFFER_BYTES):
         return caps
     return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
@@ -172,7 +174,7 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
     skipped), else 'bucketed' when
     the experts have `grouped` (for the overflow fallback); 'ragged' on other backends."""
     if impl == "auto":
-        if execution.platform() != "cpu":
+        if backends.platform() != "cpu":
             return "ragged"
         if getattr(experts, "weight_format", None) is not None and experts.supports("grouped"):
             return "native" if native_available(experts) else "loop"
@@ -195,10 +197,9 @@ def check_native(experts: Any) -> None:
     """Raises ValueError unless dropless_impl='native' can run `experts` here (CPU, experts with a `native`
     method: SwiGLU with silu or GPT-OSS, float or packed), and `native.NativeKernelError` when the kernel cannot
     be built (it is compiled here on first use)."""
-    from .native.moe import ensure_registered
-    if execution.platform() != "cpu":
+    if backends.platform() != "cpu":
         raise ValueError(f"dropless_impl='native' is a CPU kernel; this program is compiled for "
-                         f"{execution.platform()!r}")
+                         f"{backends.platform()!r}")
     if not experts.supports("native"):
         raise ValueError(f"dropless_impl='native' runs SwiGLU (silu) or GPT-OSS experts, float or packed; got "
                          f"{experts.type_name}")
@@ -210,7 +211,6 @@ def check_native(experts: Any) -> None:
 
 def native_available(experts: Any) -> bool:
     """Whether 'native' can run `experts` here (`check_native` passes, the kernel built)."""
-    from .native import NativeKernelError
     try:
         check_native(experts)
     except (ValueError, NativeKernelError):

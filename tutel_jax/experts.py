@@ -25,6 +25,7 @@ which `make_config` wraps in `AdaptedExperts` (`as_experts`) so that it answers 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
@@ -83,7 +84,7 @@ class Experts:
     hidden_axes: ClassVar[Callable[[Any], Any] | None] = None
     native: ClassVar[Callable[..., jax.Array] | None] = None
     output_dim: int | None = None  # None: the layer's model_dim
-    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
+    kernel_backend: str | None = None  # see `backends.kernels`: None = the compile platform's kernels
     hidden_size_per_expert: int | None = None
     num_local_experts: int = 1  # read by make_config for an object passed as `experts` (a dict has count_per_node)
 
@@ -179,7 +180,7 @@ class FFNExperts(Experts):
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: int | None = None
-    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
+    kernel_backend: str | None = None  # see `backends.kernels`: None = the compile platform's kernels
 
     def init(self, key, model_dim, num_experts, dtype):
         out_dim = self.output_dim or model_dim
@@ -233,7 +234,7 @@ class LlamaFFNExperts(Experts):
 
     hidden_size_per_expert: int
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
-    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
+    kernel_backend: str | None = None  # see `backends.kernels`: None = the compile platform's kernels
 
     def init(self, key, model_dim, num_experts, dtype):
         k1, k2, k3 = jax.random.split(key, 3)
@@ -299,7 +300,6 @@ def make_experts(spec: Mapping) -> Experts:
     try:
         net = factory(**options)
     except TypeError as err:
-        import inspect
         expected = list(inspect.signature(factory).parameters)
         raise ValueError(f"experts ({kind!r}): bad options {sorted(options)}; expected some of {expected} "
                          f"({err})") from None

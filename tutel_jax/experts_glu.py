@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from . import quant_weights
 from .experts import Experts, _activation, register_experts
 from .grouped_linear import Batched, Gathered, Grouped, Mode
+from .native import moe_experts
 
 __all__ = ["SwiGLUExperts", "GptOssExperts", "gpt_oss_glu"]
 
@@ -91,7 +92,7 @@ class SwiGLUExperts(_GLUExperts):
     hidden_size_per_expert: int
     activation_fn: Callable[[jax.Array], jax.Array] = jax.nn.silu
     output_dim: int | None = None
-    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
+    kernel_backend: str | None = None  # see `backends.kernels`: None = the compile platform's kernels
     weight_format: str | None = None
 
     def init(self, key, model_dim, num_experts, dtype):
@@ -120,7 +121,6 @@ class SwiGLUExperts(_GLUExperts):
         return None if self.activation_fn is jax.nn.silu else f"the activation {self.activation_fn} (silu only)"
 
     def native(self, params, x, expert_ids, enc, dec):
-        from .native import moe_experts  # lazy: builds the kernel on first use
         if "gate_up_proj" in params:
             w1 = params["gate_up_proj"]
             w1 = w1.reshape(w1.shape[0], w1.shape[1], -1)  # [E, M, 2, I] -> [E, M, 2I]: gate columns first
@@ -155,7 +155,7 @@ class GptOssExperts(_GLUExperts):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     output_dim: int | None = None
-    kernel_backend: str | None = None  # see `execution.kernels`: None = the compile platform's kernels
+    kernel_backend: str | None = None  # see `backends.kernels`: None = the compile platform's kernels
     weight_format: str | None = None
 
     _has_biases = True
@@ -181,7 +181,6 @@ class GptOssExperts(_GLUExperts):
         return y + mode.bias(params["down_proj_bias"], x.dtype)
 
     def native(self, params, x, expert_ids, enc, dec):
-        from .native import moe_experts  # lazy: builds the kernel on first use
         return moe_experts(x, expert_ids, enc, dec, params["gate_up_proj"], params["down_proj"],
                            b1=params["gate_up_proj_bias"], b2=params["down_proj_bias"], glu="gpt_oss",
                            alpha=self.swiglu_alpha, limit=self.swiglu_limit)

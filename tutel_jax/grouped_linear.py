@@ -21,7 +21,7 @@ change the kernels and the checkpoint mapping. This module hides the difference,
 (`experts.FFNExperts`, `LlamaFFNExperts`, `experts_glu.SwiGLUExperts`, `GptOssExperts`) is written once over
 `Batched` / `Grouped` / `Gathered` (each a `linear(x, w)` and a per-row `bias(b, dtype)`).
 
-Backends: `backend` resolves through `execution.kernels` (None / "auto": the kernels of the platform the program
+Backends: `backend` resolves through `backends.kernels` (None / "auto": the kernels of the platform the program
 is compiled for; "xla": plain XLA): `grouped_linear` runs float weights through `pallas_kernels.gmm` or, for plain
 XLA, `lax.ragged_dot`, and packed weights through `pallas_kernels.quant_gmm` (its kernel, or its float32 XLA
 reference). The native CPU kernel takes a whole SwiGLU layer (`tutel_jax.native.moe_swiglu`) and is chosen as
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-from . import execution, quant_weights
+from . import backends, quant_weights
 from .dispatch import group_row_experts
 
 __all__ = ["batched_linear", "grouped_linear", "gathered_linear", "Batched", "Grouped", "Gathered", "Mode"]
@@ -51,9 +51,9 @@ def _kernel_view(w: jax.Array) -> jax.Array:
 
 def batched_linear(x: jax.Array, w: Any, *, out_in: bool = False, backend: str | None = None) -> jax.Array:
     """x [E, C, K] through each expert's weight -> [E, C, N] in x's dtype. Packed weights go through the grouped
-    quantized kernel (C rows per expert) where `backend` resolves to kernels (`execution.kernels`), so the
+    quantized kernel (C rows per expert) where `backend` resolves to kernels (`backends.kernels`), so the
     capacity path never dequantizes a whole layer on a GPU or TPU; elsewhere they are dequantized in XLA."""
-    if quant_weights.is_quantized(w) and (kernels := execution.kernels(backend)) is not None:
+    if quant_weights.is_quantized(w) and (kernels := backends.kernels(backend)) is not None:
         num_experts, capacity, _ = x.shape
         sizes = jnp.full((num_experts,), capacity, jnp.int32)
         rows = pallas_kernels.quant_gmm(x.reshape(num_experts * capacity, -1), w, sizes, out_dtype=x.dtype,
@@ -70,7 +70,7 @@ def grouped_linear(x: jax.Array, w: Any, group_sizes: jax.Array, backend: str | 
                    out_in: bool = False) -> jax.Array:
     """x [R, K] with rows sorted by expert (group_sizes [E] rows each) -> [R, N]; rows past sum(group_sizes)
     come out as zeros."""
-    backend = execution.kernels(backend)  # the compile platform's kernels unless set
+    backend = backends.kernels(backend)  # the compile platform's kernels unless set
     if quant_weights.is_quantized(w):
         return pallas_kernels.quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype,
                                         implementation="xla" if backend is None else backend)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import quant_weights
+from .native.dense import dense, worth_it
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "linear"]
 
@@ -30,7 +31,6 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
     accumulation) or 'auto': 'native' on CPU for at most `native.dense.MAX_ROWS` rows (decode) of a bfloat16 or
     packed weight when the kernel can be built, else 'xla'."""
-    from .native.dense import dense, worth_it  # lazy: builds nothing until the kernel is first used
     if impl == "native" or (impl == "auto" and worth_it(x, w)):
         return dense(x, w, b).astype(x.dtype)
     y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)

@@ -16,10 +16,14 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import tutel_format
+from .checkpoint.torch_zip import save_torch_file
 from .config import MoEConfig, make_config
 from .layer import MoEAux, init_params, moe_apply
+from .losses import update_correction_bias
 from .parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
+from .reconfigure import reconfigure_layer
 from .routing.gates import as_gate
+from .routing.routers import CORRECTION_BIAS
 
 __all__ = ["MoE", "RoutingStat", "RouterState"]
 
@@ -37,7 +41,6 @@ class RouterState(nnx.Variable):
 
 def _wrap_params(params):
     """nnx.Param for every leaf except router state (`RouterState`)."""
-    from .routing.routers import CORRECTION_BIAS
 
     def wrap(path, leaf):
         last = path[-1] if path else None
@@ -195,8 +198,6 @@ class MoE(nnx.Module):
         """Aux-loss-free balancing: `bias += rate * sign(mean_load - load_e)` for the gate's
         `e_score_correction_bias`, with the last call's `dispatch_count` (global under expert parallelism) unless
         one is given (e.g. summed over micro-batches). Call it after the optimizer step, outside `nnx.grad`."""
-        from .losses import update_correction_bias
-        from .routing.routers import CORRECTION_BIAS
         self.config.gate(gate_index)
         state = self.params["gates"][gate_index]
         if CORRECTION_BIAS not in state:
@@ -245,7 +246,6 @@ class MoE(nnx.Module):
 
     def save_state_dict(self, path: str | os.PathLike) -> None:
         """Writes `state_dict()` as a file Tutel's `torch.load` reads (atomically)."""
-        from .checkpoint.torch_zip import save_torch_file
         save_torch_file(path, self.state_dict())
 
     # -- runtime reconfiguration -----------------------------------------------------------------------------
@@ -259,7 +259,6 @@ class MoE(nnx.Module):
         `jax.device_put`, bit for bit. `nnx.jit` caches one compiled step per configuration, so switching back
         does not recompile. See `tutel_jax.reconfigure.reconfigure_layer`.
         """
-        from .reconfigure import reconfigure_layer
         reconfigure_layer(self, runtime, optimizer=optimizer, devices=devices)
 
     @staticmethod

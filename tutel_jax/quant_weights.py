@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
+from pallas_kernels import quant_matmul
+
 from .host_memory import empty_aligned
 
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
@@ -52,7 +55,6 @@ def dense(x: jax.Array, w: Any, implementation: str | None = "auto") -> jax.Arra
     """x [..., in] @ w[out, in].T -> [..., out] in x's dtype; w a plain array or a quantized container."""
     if not is_quantized(w):
         return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
-    from pallas_kernels import quant_matmul  # lazy: only quantized models need the kernels package
     lead = x.shape[:-1]
     y = quant_matmul(x.reshape(-1, x.shape[-1]), w, out_dtype=x.dtype, implementation=_impl(implementation))
     return y.reshape(*lead, y.shape[-1])
@@ -65,7 +67,6 @@ def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
 
 def quantize(w: jax.Array, weight_format: str) -> Any:
     """float w [..., out, in] -> the container of `weight_format` (round to nearest; for tests and random init)."""
-    import pallas_kernels
     check_format(weight_format)
     fn = {"fp8_block": pallas_kernels.quantize_fp8_block, "mxfp4": pallas_kernels.quantize_mxfp4,
           "nvfp4": pallas_kernels.quantize_nvfp4}[weight_format]

@@ -37,10 +37,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .config import MoEConfig, valid_adaptive_degrees
 from .dropless import impl_names, resolve_impl
+from .native.build import NativeKernelError
 from .parallel.expert_parallel import ExpertParallel, param_shardings
 from .validation import check_capacity_factor
 
@@ -254,7 +258,6 @@ def plan_layout(config: MoEConfig, runtime: RuntimeConfig, devices: Sequence[Any
         raise _refuse(runtime, f"top_k={runtime.top_k} exceeds the number of experts E={E}")
     dropless_impl = config.dropless_impl if runtime.dropless_impl is None else runtime.dropless_impl
     if runtime.dropless_impl not in (None, "auto"):  # the layer's own impl was checked by make_config
-        from .native.build import NativeKernelError  # 'native' builds its kernel on first use
         try:
             resolve_impl(dropless_impl, config.experts)
         except (ValueError, NativeKernelError) as exc:
@@ -320,7 +323,6 @@ def opt_state_shardings(optimizer: Any, opt_state: Any, param_shardings_tree: An
 
     Uses `optax.tree_utils.tree_map_params`, so `optimizer` must be the optax GradientTransformation (or its
     init function) that made `opt_state`."""
-    import optax
     replicated = layout.replicated()
     return optax.tree_utils.tree_map_params(
         optimizer, lambda _, sharding: sharding, opt_state, param_shardings_tree,
@@ -366,7 +368,6 @@ def reconfigure_layer(layer: Any, runtime: RuntimeConfig, *, optimizer: Any = No
     Sets the layer's `config` (count_per_node, overlap degree, use_2dh, parallel_type, gate defaults top_k /
     capacity_factor) and `placement`. Returns the new Layout.
     """
-    from flax import nnx
     layout = plan_layout(layer.config, runtime, devices)
     config = with_gate_defaults(layout.config, runtime.top_k, runtime.capacity_factor)
     old_params = layer.param_tree()

@@ -37,14 +37,30 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from .autotune import Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, metrics_load_ratio
+from .autotune import (
+    Autotuner,
+    Candidate,
+    Decision,
+    DecisionLog,
+    Measurement,
+    Sample,
+    metrics_load_ratio,
+)
 from .checkpoint.orbax_io import restore_checkpoint, save_checkpoint
 from .config import MoEConfig
 from .layer import MoEAux
 from .parallel.expert_parallel import moe_apply_parallel
-from .reconfigure import (Layout, RuntimeConfig, batch_shardings, opt_state_shardings, params_shardings,
-                          plan_layout, reshard)
+from .reconfigure import (
+    Layout,
+    RuntimeConfig,
+    batch_shardings,
+    opt_state_shardings,
+    params_shardings,
+    plan_layout,
+    reshard,
+)
 
 __all__ = ["TrainState", "MoECall", "MoETrainer", "SwitchReport", "CacheInfo", "AutotuneReport"]
 
@@ -342,7 +358,6 @@ class MoETrainer:
 
     # -- stepping ------------------------------------------------------------------------------------------
     def _train_step(self, layout: Layout) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-        import optax
         loss_fn, optimizer, seed, deterministic = self.loss_fn, self.optimizer, self.seed, self.deterministic
 
         def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:

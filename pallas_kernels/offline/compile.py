@@ -15,7 +15,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from ..targets import Target, get_target
 from .extract import TritonKernel

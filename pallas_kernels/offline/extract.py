@@ -13,6 +13,9 @@ import hashlib
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.interpreters import mlir as jax_mlir
+from jaxlib.mlir import ir
+from jaxlib.triton import dialect as triton_dialect
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -61,9 +64,6 @@ def _custom_calls(op, found: list) -> None:
 
 def triton_kernels(module_text: str) -> list[TritonKernel]:
     """Every Triton kernel of a StableHLO module (text of `Exported.mlir_module()`), in program order."""
-    from jax.interpreters import mlir as jax_mlir
-    from jaxlib.mlir import ir
-    from jaxlib.triton import dialect as triton_dialect
 
     context = jax_mlir.make_ir_context()
     triton_dialect.register_dialect(context)

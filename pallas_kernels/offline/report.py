@@ -10,14 +10,22 @@ registers and whether it spills. The exit status is 1 when a kernel fails to com
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from ..targets import TARGETS, lowering_context
 from .cases import Case, all_cases
-from .compile import CompileResult, compile_kernels
+from .compile import (
+    TRITON_PYTHON_ENV,
+    CompileResult,
+    compile_kernels,
+    find_triton_python,
+)
 from .extract import TritonKernel, kernels_of
 
 __all__ = ["KernelReport", "lower_cases", "compile_report", "report_markdown"]
@@ -91,11 +99,7 @@ def report_json(reports: Sequence[KernelReport]) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-    import os
-    import sys
 
-    from .compile import TRITON_PYTHON_ENV, find_triton_python
 
     parser = argparse.ArgumentParser(prog="python -m pallas_kernels.offline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))

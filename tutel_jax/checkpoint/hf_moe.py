@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from ..models.moe_block import hf_moe_block, hf_moe_block_tensors, moe_layer_indices
+from .safetensors_io import SafetensorsFile
 
 __all__ = ["hf_moe_block", "hf_moe_block_tensors", "moe_layer_indices", "load_safetensors"]
 
@@ -21,6 +22,5 @@ __all__ = ["hf_moe_block", "hf_moe_block_tensors", "moe_layer_indices", "load_sa
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of a safetensors file as NumPy arrays (any dtype, bfloat16 and float8 included; every header
     entry validated before reading; see `safetensors_io`)."""
-    from .safetensors_io import SafetensorsFile
     with SafetensorsFile(path) as f:
         return {name: f[name] for name in f.keys()}

@@ -12,6 +12,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from .torch_zip import load_torch_file
+
 __all__ = ["params_to_state_dict", "state_dict_to_params", "read_state_dict", "find_layer_prefix",
            "NUM_EXPERTS_KEY"]
 
@@ -56,7 +58,6 @@ def find_layer_prefix(keys: Any) -> str:
 def read_state_dict(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, np.ndarray]:
     """A state dict from a Tutel `torch.save` file (read without torch) or from a mapping of arrays."""
     if isinstance(source, (str, os.PathLike)):
-        from .torch_zip import load_torch_file
         return load_torch_file(source)
     if not isinstance(source, Mapping):
         raise ValueError(f"expected a checkpoint path or a mapping of arrays, got {type(source).__name__}")

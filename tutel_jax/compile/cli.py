@@ -31,9 +31,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from .. import execution
+from ..models.dequant import check_quantization_config
+from ..models.quant_layout import checkpoint_layout
+from ..models.spec import spec_from_config
+from .driver import compile_model
 from .hardware import HARDWARE
-from .topology import DevicelessUnavailable, TargetError, parse_target
+from .report import format_table, gib
+from .topology import DevicelessUnavailable, TargetError, check_deviceless, parse_target
 
 __all__ = ["main"]
 
@@ -98,9 +106,6 @@ def _read_config(model: str) -> dict:
 
 def _check_config(config: dict) -> None:
     """The loader's checks, without weights: spec, layout, quantization format (one line naming the key)."""
-    from ..models.dequant import check_quantization_config
-    from ..models.quant_layout import checkpoint_layout
-    from ..models.spec import spec_from_config
     try:
         spec_from_config(config)
         check_quantization_config(config)
@@ -123,7 +128,6 @@ def _cpu_only() -> None:
     GPU / TPU compilers are reached through the topology). jax reads JAX_PLATFORMS when it is imported."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:
-        import jax
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -140,11 +144,7 @@ def _run(argv: list[str]) -> int:
     config = _read_config(args.model)
     _cpu_only()
     _check_config(config)
-    from .topology import check_deviceless
     check_deviceless(target)
-    import jax.numpy as jnp
-    from .driver import compile_model
-    from .report import format_table, gib
     log = (lambda msg: print(msg, file=sys.stderr)) if sys.stderr.isatty() else (lambda msg: None)
     try:
         with execution.use_kernels(knobs.kernel_backend):  # the runtime level: every program compiled here

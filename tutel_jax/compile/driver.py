@@ -13,7 +13,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import topologies
 
+from .. import quant_weights
+from ..models.attention import cache_dims
 from ..models.moe_block import _num_experts
 from .programs import Step, build_steps
 from .report import COLLECTIVES, analyze
@@ -28,7 +31,6 @@ def choose_mesh(topo: Any, config: Mapping[str, Any]) -> tuple[Any, str]:
     """(mesh, description): the routed experts split over as many devices as divide their count (axis
     'expert', the loader's expert placement); the remaining factor of the devices, if any, is an axis
     'replica' over which everything is replicated."""
-    from jax.experimental import topologies
     n = len(topo.devices)
     experts = _num_experts(config)
     w = math.gcd(experts, n)
@@ -45,7 +47,6 @@ def _estimate(model: AbstractModel, batch: int, seq: int, mode: str) -> int:
     w = per_device_bytes(model.params)
     if mode == "train":
         return 3 * w
-    from ..models.attention import cache_dims
     heads, dk, dv = cache_dims(model.spec)
     return w + model.spec.num_layers * batch * heads * seq * (dk + dv) * jnp.dtype(model.dtype).itemsize
 
@@ -228,6 +229,5 @@ def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: in
 
 def _parameters(params: Any) -> int:
     """Logical parameter count (a packed weight counts its unpacked values: [..., out, in] of its container)."""
-    from .. import quant_weights
     leaves = jax.tree_util.tree_leaves(params, is_leaf=quant_weights.is_quantized)
     return int(sum(math.prod(quant_weights.logical_shape(w)) for w in leaves))

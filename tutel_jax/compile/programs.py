@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..models.attention import cache_dims
 from ..models.decoder import decoder_layer, embed, head
@@ -117,7 +119,6 @@ def _serve_step(model: AbstractModel, name: str, batch: int, seq: int) -> Step:
 
 
 def _adamw() -> Any:
-    import optax
     return optax.adamw(LEARNING_RATE)
 
 
@@ -144,7 +145,6 @@ def _train_program(forward: Callable, with_loss: bool = False) -> Any:
         inputs, ct = (rest, None) if with_loss else (rest[:-1], rest[-1])
         out, vjp = jax.vjp(lambda w, x0: forward(w, x0, *inputs[1:]), weights, inputs[0])
         gw, gx = vjp(jnp.ones_like(out) if with_loss else ct)
-        import optax
         updates, opt_state = opt.update(gw, opt_state, weights)
         return optax.apply_updates(weights, updates), opt_state, gx
     return jax.jit(step, donate_argnums=(0, 1))

@@ -10,6 +10,9 @@ import collections
 import re
 from typing import Any
 
+from jax._src import xla_bridge
+from jax._src.lib import _jax
+
 __all__ = ["PartAnalysis", "analyze", "kernel_calls", "collective_counts", "COLLECTIVES", "format_table",
            "gib"]
 
@@ -59,8 +62,6 @@ def _cost(compiled: Any) -> tuple[dict, str]:
         cost = cost[0] if cost else None
     if cost:
         return dict(cost), "xla"
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
     module = compiled.runtime_executable().hlo_modules()[0]
     return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)), "hlo-cost-analysis"
 

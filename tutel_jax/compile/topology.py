@@ -20,7 +20,15 @@ import re
 import tempfile
 from typing import Any, Iterator
 
-from pallas_kernels.targets import DevicelessUnavailable, cuda_plugin_dir, gpu_target_config, gpu_topology
+import jax
+from jax.experimental import topologies
+
+from pallas_kernels.targets import (
+    DevicelessUnavailable,
+    cuda_plugin_dir,
+    gpu_target_config,
+    gpu_topology,
+)
 
 from .hardware import HARDWARE, Hardware
 
@@ -81,7 +89,6 @@ def parse_target(text: str) -> Target:
 
 
 def _jax_version() -> tuple[int, ...]:
-    import jax
     return tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
 
 
@@ -89,7 +96,6 @@ def check_deviceless(target: Target) -> None:
     """DevicelessUnavailable unless this JAX (>= 0.12) and the target's compiler (CUDA plugin / libtpu) are here."""
     extra = "cuda12" if target.platform == "gpu" else "tpu"
     install = f'pip install "tutel-jax[{extra}]"'
-    import jax
     if _jax_version()[:2] < MIN_JAX:
         raise DevicelessUnavailable(f"compiling for {target.spelling} without its devices needs jax >= "
                                     f"{'.'.join(map(str, MIN_JAX))} (this is jax {jax.__version__}): {install}")
@@ -120,6 +126,5 @@ def topology_of(target: Target) -> Any:
         return gpu_topology(target.hardware.gpu_target, target.devices, name=target.hardware.name)
     # libtpu guards a local TPU with a lockfile; compiling touches no TPU, so other processes may hold it
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
     with _quiet_stderr():
         return topologies.get_topology_desc(f"{target.hardware.name}:{target.topology}", platform="tpu")

@@ -26,9 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 from .. import quant_weights
+from ..config import make_config
 from ..models.causal_lm import from_pretrained
 from ..models.families import family_of
 from ..models.family import moe_hidden_size
@@ -64,7 +68,6 @@ def abstract_tensors(config: Mapping[str, Any], quantized: bool = True) -> dict[
         code = "F32" if q else None
         layout = checkpoint_layout({k: v for k, v in config.items() if k != "quantization_config"})
         return {i.name: jax.ShapeDtypeStruct(i.shape, DTYPES[code or i.dtype]) for i, _ in layout}
-    from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
     parts = {i.name: jax.ShapeDtypeStruct(i.shape, DTYPES[i.dtype]) for i, _ in checkpoint_layout(config)}
     out: dict[str, Any] = {}
     for name, sds in parts.items():
@@ -120,7 +123,6 @@ def _moe_block(t: Mapping[str, Any], config: Mapping[str, Any], layer: int, dtyp
                moe_options: Mapping[str, Any]) -> tuple[Any, dict]:
     """`moe_block.hf_moe_block` on abstract tensors: (MoEConfig, {'gates', 'experts'[, 'shared_experts']}),
     leaves not yet cast or placed (see `_place`)."""
-    from ..config import make_config
     family = family_of(config)
     E, M = _num_experts(config), int(config["hidden_size"])
     p = f"model.layers.{layer}.{family.ffn_prefix}"

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+
 __all__ = ["E2M1_LUT", "QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
            "is_quantized"]
 
@@ -188,7 +190,6 @@ class QuantizedTensors(_QuantizedCheckpointView):
     tensors are returned as stored. FP8 needs 128 x 128 blocks (`fp8_block_supported`)."""
 
     def _convert(self, fmt, a):
-        from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
         if fmt == "fp8":
             w, s = a
             _expect(w.dtype.name == "float8_e4m3fn", f"FP8 weight must be float8_e4m3fn, got {w.dtype}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
 
 from .. import quant_weights
 from .hf_tables import attention_table, mlp_prefix
@@ -65,7 +66,6 @@ def _write_atomically(path: Path, write) -> None:
 def save_pretrained(model: Any, path: str | os.PathLike) -> Path:
     """Writes `config.json` and `model.safetensors` of a float CausalLM into directory `path` (created if needed;
     existing files of those names are replaced atomically). Returns the directory."""
-    from safetensors.numpy import save_file
 
     tensors = hf_tensors(model)  # validates before anything is written
     path = Path(path)

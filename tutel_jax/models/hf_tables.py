@@ -19,6 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import quant_weights
 from .families import get_family
@@ -123,7 +124,6 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
     moe_options: more `make_config` arguments for every MoE layer (e.g. kernel_backend, dropless_impl).
     """
     disable = None if progress is None else not progress  # tqdm: None = off unless stderr is a terminal
-    from tqdm.auto import tqdm
 
     place = place or (lambda part, value, dt: quant_weights.to_jax(value, dt))  # containers keep packed dtypes
     cast = lambda a: place("dense", a, dtype)

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import quant_weights
 from ..linear import DENSE_IMPLS, check_dense_impl, linear
+from ..native.dense import dense, worth_it
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
@@ -35,7 +36,6 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
     """Logits x [..., M] @ table[V, M].T -> [..., V] in x's dtype: the lm_head (or a tied embedding) as the
     checkpoint stores it, [out, in] rows (read contiguously, one dot product per vocabulary entry). impl as in
     `linear`."""
-    from ..native.dense import dense, worth_it  # lazy: builds nothing until the kernel is first used
     if impl == "native" or (impl == "auto" and worth_it(x, table)):
         return dense(x, table, rows=True).astype(x.dtype)
     if quant_weights.is_quantized(table):

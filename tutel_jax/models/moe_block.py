@@ -20,6 +20,8 @@ import jax
 import numpy as np
 
 from .. import quant_weights
+from ..config import make_config
+from ..layer import init_params
 from .families import family_of
 from .family import moe_hidden_size
 
@@ -113,7 +115,6 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
         'shared_experts'; value: NumPy array or quantized container) on devices; default: the default device.
       config_kwargs: more `make_config` arguments (e.g. dropless_impl).
     """
-    from ..config import make_config
 
     family = family_of(config)
     moe_layers = moe_layer_indices(config)
@@ -158,7 +159,6 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
 
 def _check_against_template(moe_config, params) -> None:
     """The loaded tree must have exactly the layout and shapes `init_params` gives for this config."""
-    from ..layer import init_params
 
     template = jax.eval_shape(lambda: init_params(moe_config, jax.random.key(0)))
     got = jax.tree_util.tree_flatten_with_path(params)[0]

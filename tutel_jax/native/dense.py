@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import execution, quant_weights
+from .. import backends, quant_weights
 from ..vma import varying_like
 from .build import NativeKernelError, register
 from .weights import check_max_workers, empty, unsupported, weight_args
@@ -37,7 +37,7 @@ def ensure_registered() -> None:
 
 def available() -> bool:
     """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler)."""
-    if execution.platform() != "cpu":
+    if backends.platform() != "cpu":
         return False
     try:
         ensure_registered()

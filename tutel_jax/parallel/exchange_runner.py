@@ -24,6 +24,7 @@ from ..config import MoEConfig
 from ..expert_paths import run_routed_experts
 from ..routing.plan import RoutingPlan, align_capacity
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
+from .ragged_dropless import ragged_dropless_experts
 
 __all__ = ["ExchangeRunner", "SHARDED_EXPERT_AXES"]
 
@@ -77,7 +78,6 @@ class ExchangeRunner:
 
         if self.collective is None:
             return padded()
-        from .ragged_dropless import ragged_dropless_experts
         return ragged_dropless_experts(
             tokens, plan, expert_params, config.experts, self.expert_axes, is_postscore=config.is_postscore,
             recv_capacity=self.recv_capacity, fallback=padded, exchange=self.collective).astype(tokens.dtype)

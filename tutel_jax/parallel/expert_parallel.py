@@ -26,10 +26,12 @@ import math
 from typing import Any, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..call_options import CallOptions
 from ..config import MoEConfig
+from ..experts import as_experts
 from ..layer import MoEAux, empty_result, moe_pipeline, routing_args
 from ..token_group import TokenGroup
 from ..validation import check_input
@@ -40,11 +42,8 @@ __all__ = ["ExpertParallel", "moe_apply_parallel", "param_shardings", "shard_par
 
 
 def shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map` (or `jax.experimental.shard_map.shard_map` on older JAX)."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map as legacy  # older JAX
-    return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    """`jax.shard_map` with positional mesh and specs."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def _as_axes(axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -102,7 +101,6 @@ EXPERT_AXES = SHARDED_EXPERT_AXES  # (expert, capacity replica, tensor-parallel)
 
 
 def _hidden_axes(config: MoEConfig, expert_params: Any) -> Any:
-    from ..experts import as_experts  # a config built around make_config may hold a plain object
     experts = as_experts(config.experts)
     if experts.hidden_axes is None:
         raise ValueError(f"sharded experts need an expert type with hidden_axes(); {experts.type_name} has none")

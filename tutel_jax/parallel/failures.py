@@ -31,6 +31,9 @@ import socket
 import threading
 from typing import Iterable
 
+import jax
+from jax._src import distributed
+
 __all__ = ["PEER_STOPPED_EXIT_CODE", "current_coordinator_address", "coordinator_reachable", "live_processes",
            "dead_peers", "stopped_processes_in_log", "find_stopped_processes", "stopped_message"]
 
@@ -89,7 +92,6 @@ def live_processes(timeout: float) -> set[int] | None:
     get_live_nodes = getattr(client, "get_live_nodes", None)
     if get_live_nodes is None:
         return None
-    import jax
 
     answer: dict[str, object] = {}
 
@@ -121,7 +123,6 @@ def dead_peers(*, timeout: float = 0.0, coordinator_address: str | None = None) 
     see there for what happens when a process is missing). `coordinator_address` defaults to the address
     this process connected to.
     """
-    import jax
 
     if not jax.distributed.is_initialized():
         return None
@@ -187,8 +188,4 @@ def stopped_message(stopped: Iterable[int], phase: str | None = None) -> str:
 
 def _distributed_state():
     """JAX's `jax.distributed` state object (private; None when this JAX has none)."""
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover - a JAX without this module
-        return None
     return getattr(distributed, "global_state", None)

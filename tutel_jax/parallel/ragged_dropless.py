@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import dispatch, execution
+from .. import backends, dispatch
 from ..routing.plan import RoutingPlan
 from ..vma import varying
 from .all_to_all import axis_size
@@ -38,7 +38,7 @@ __all__ = ["ragged_supported", "emulated_ragged_all_to_all", "default_recv_capac
 def ragged_supported(backend: str | None = None) -> bool:
     """True where `lax.ragged_all_to_all` compiles (GPU, TPU): `backend`, else the platform the program is
     compiled for; False on CPU."""
-    return (backend or execution.platform()) in ("gpu", "cuda", "rocm", "tpu")
+    return (backend or backends.platform()) in ("gpu", "cuda", "rocm", "tpu")
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

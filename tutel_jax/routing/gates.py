@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -283,7 +284,6 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
     """Builds a gate from one `gate_type` entry: a dict with 'type', a `Gate`, or an object with the
     `MinimalGate` members (returned wrapped in a `GateAdapter`)."""
     if isinstance(spec, str):  # Tutel's deprecated 'Top2Gate' spelling
-        import re
         match = re.fullmatch(r"Top([0-9]+)Gate", spec)
         if not match:
             raise ValueError(f"gate_type[{index}]: unknown gate {spec!r}; expected a dict like "

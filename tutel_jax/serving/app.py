@@ -16,16 +16,24 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from ..models import from_pretrained
 from .api_errors import APIError, error_body
-from .api_requests import ModelLimits, ParsedRequest, parse_body, parse_chat, parse_completion
+from .api_requests import (
+    ModelLimits,
+    ParsedRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
+from .chat_template import TemplateLimits
 from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull
 from .http_guard import RequestGuard
 from .sampling import model_context
 from .server_config import ServerConfig
-from .chat_template import TemplateLimits
 from .tokenizer import TextCodec, eos_token_ids
 
 try:  # the `serve` extra; only the app needs it (annotations below are resolved in this module's globals)
@@ -189,7 +197,6 @@ def _chat_choice(i: int, done: Completion) -> dict:
 def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, model: Any = None,
                warmup: bool = True):
     """The FastAPI app serving the checkpoint at `model_path` (loaded unless `model` is given)."""
-    from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -199,7 +206,6 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     path = Path(model_path)
     cfg = cfg or ServerConfig()
     if model is None:
-        from ..models import from_pretrained
         model = from_pretrained(path, dtype=cfg.dtype, **cfg.execution.set_fields())
     srv = Server(model, path, cfg)
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from .api_errors import APIError, bad_request, generation_error
+from .continuous import ContinuousBatcher, Request
+from .generate import generate
 from .server_config import ServerConfig
 from .tokenizer import IncrementalDecoder, TextCodec
 
@@ -233,7 +235,6 @@ class Engine(_Worker):
     def run_batch(self, batch: list[Job]) -> list[list[Completion]]:
         """Runs the jobs as one batch; per job, per (prompt, n) row: its Completion. Each job's future is
         resolved when its last row is done, and generation stops once every row is."""
-        from .generate import generate
         rows = [_Row(j, k, self.codec) for j in batch for k in range(len(j.prompts) * j.n)]
         prompts = [p for j in batch for p in j.prompts for _ in range(j.n)]
         B = 1 << (len(prompts) - 1).bit_length()  # pad rows to a power of two
@@ -297,7 +298,6 @@ class ContinuousEngine(_Worker):
         self._jobs: dict[int, tuple[Job, list[_Row]]] = {}  # running jobs by id(job)
 
     def start(self):
-        from .continuous import ContinuousBatcher
         self.batcher = ContinuousBatcher(self.model, self.cfg.max_batch_size, self.max_len,
                                          row_buckets=self.cfg.row_buckets)
         super().start()
@@ -338,7 +338,6 @@ class ContinuousEngine(_Worker):
 
     def _admit(self, job: Job):
         """Queues the job's rows in the batcher (one Request per prompt x choice)."""
-        from .continuous import Request
         seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(4), "little")
         rows, reqs = [], []
         for k, prompt in enumerate(p for p in job.prompts for _ in range(job.n)):

@@ -25,9 +25,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from tutel_jax.models import from_pretrained, memory_report
+from tutel_jax.native import NativeKernelError
+from tutel_jax.serving import generate
+from tutel_jax.serving.tokenizer import eos_token_ids
+
 from .. import execution
 from ..cli_args import CommandParser, checked, int_in_range
 from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
+from .tokenizer import IncrementalDecoder, encode, load_tokenizer
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -77,7 +83,6 @@ class StreamPrinter:
     one line per step (`step i: [row] piece ...`) for several. A row's stop token ends it and is not shown."""
 
     def __init__(self, rows: int, stops: set[int], tokenizer: Any = None, out: TextIO | None = None):
-        from .tokenizer import IncrementalDecoder
         self.stops, self.out = stops, out if out is not None else sys.stdout
         self.finished = np.zeros(rows, bool)
         self.decoders = [IncrementalDecoder(tokenizer) for _ in range(rows)] if tokenizer is not None else None
@@ -108,7 +113,6 @@ class StreamPrinter:
 
 def _text_prompts(checkpoint: str, prompts: list[str]):
     """(tokenizer, prompt ids) of text prompts; raises ValueError/FileNotFoundError/ImportError with a message."""
-    from .tokenizer import encode, load_tokenizer
     for b, p in enumerate(prompts):
         try:
             p.encode("utf-8")
@@ -146,10 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ImportError, ValueError) as e:
             return ap.fail(e)
 
-    from tutel_jax.models import from_pretrained, memory_report
-    from tutel_jax.native import NativeKernelError
-    from tutel_jax.serving import generate
-    from tutel_jax.serving.tokenizer import eos_token_ids
 
     try:
         knobs = execution.from_arguments(args, allowed=execution.MODEL_KNOBS)

@@ -45,11 +45,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from .. import execution
+from ..cli_args import (
+    CommandParser,
+    int_at_least,
+    int_in_range,
+    non_negative_float,
+    positive_float,
+)
+from ..native import NativeKernelError
 from .api_errors import APIError
 from .app import Server, create_app
-from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull, finish_completion
+from .engines import (
+    Completion,
+    ContinuousEngine,
+    Engine,
+    Job,
+    QueueFull,
+    finish_completion,
+)
+from .http_guard import guarded_h11_protocol
 from .server_config import ServerConfig
 
 __all__ = ["APIError", "Completion", "ContinuousEngine", "Engine", "Job", "QueueFull", "Server", "ServerConfig",
@@ -57,7 +74,6 @@ __all__ = ["APIError", "Completion", "ContinuousEngine", "Engine", "Job", "Queue
 
 
 def _parser():
-    from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
     p = CommandParser(prog="tutel-jax serve", description="OpenAI-compatible server for a tutel-jax checkpoint "
                       "(GET /health, /v1/models; POST /v1/completions, /v1/chat/completions)")
     p.add_argument("checkpoint", help="HF checkpoint directory (config.json + safetensors [+ tokenizer.json])")
@@ -116,7 +132,6 @@ def _parser():
 
 def _address_problem(host: str, port: int) -> str | None:
     """Why the server could not listen on host:port (an unknown host, a port in use), or None."""
-    import socket
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as e:
@@ -142,7 +157,6 @@ def main(argv=None) -> int:
         import uvicorn
     except ImportError as e:
         return p.fail(f"the server needs the `serve` extra (pip install tutel-jax[serve]): {e}")
-    from ..native import NativeKernelError
     try:
         knobs = execution.from_arguments(a, allowed=execution.MODEL_KNOBS)
     except ValueError as e:
@@ -163,7 +177,6 @@ def main(argv=None) -> int:
         app = create_app(a.checkpoint, cfg, warmup=not a.no_warmup)
     except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option / template: one line
         return p.fail(f"cannot load {a.checkpoint}: {e}")
-    from .http_guard import guarded_h11_protocol
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=30,
                 http=guarded_h11_protocol(a.read_timeout))
     return 0
