@@ -21,7 +21,8 @@ import pytest
 
 from support import reference_routers_np as ref
 from tutel_jax import moe_apply, route
-from tutel_jax.checkpoint.hf_moe import hf_moe_block, load_safetensors, moe_layer_indices
+from tutel_jax.checkpoint.safetensors_io import load_safetensors
+from tutel_jax.models import hf_moe_block, moe_layer_indices
 from support.paths import HF
 
 CASES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]

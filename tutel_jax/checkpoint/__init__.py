@@ -1,6 +1,5 @@
 """Checkpoints: Tutel torch.save files (read/written without torch), per-rank files, orbax, safetensors."""
 
-from . import orbax_io
 from .distributed import (
     gather_state_dicts,
     load_tutel_rank_files,
@@ -10,6 +9,7 @@ from .distributed import (
     save_tutel_state_dict_rank_files,
     scatter_state_dict,
 )
+from .orbax_io import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from .paths import resolve_inside
 from .safetensors_io import NonFiniteTensorError
 from .torch_zip import (
@@ -24,11 +24,3 @@ __all__ = ["load_torch_file", "save_torch_file", "CheckpointFormatError", "Unsaf
            "gather_state_dicts", "load_tutel_rank_files", "load_tutel_rank_files_as_params", "rank_path",
            "save_tutel_rank_files", "save_tutel_state_dict_rank_files", "scatter_state_dict",
            "save_checkpoint", "restore_checkpoint", "latest_step", "all_steps"]
-
-_ORBAX_EXPORTS = ("save_checkpoint", "restore_checkpoint", "latest_step", "all_steps")
-
-
-def __getattr__(name):  # Orbax is imported on first use only (keeps `python -m tutel_jax.checkpoint` quick)
-    if name in _ORBAX_EXPORTS:
-        return getattr(orbax_io, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

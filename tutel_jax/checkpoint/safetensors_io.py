@@ -43,7 +43,7 @@ from ..validation import load_json
 from .paths import resolve_inside
 from .torch_zip import CheckpointFormatError
 
-__all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint", "NonFiniteTensorError",
+__all__ = ["DTYPES", "SafetensorsFile", "Checkpoint", "open_checkpoint", "load_safetensors", "NonFiniteTensorError",
            "count_nonfinite"]
 
 DTYPES: dict[str, np.dtype] = {
@@ -362,6 +362,13 @@ class Checkpoint(Mapping):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a safetensors file as NumPy arrays (any dtype, bfloat16 and float8 included; every header
+    entry validated before reading)."""
+    with SafetensorsFile(path) as f:
+        return {name: f[name] for name in f.keys()}
 
 
 def open_checkpoint(path: str | os.PathLike, *, check_finite: bool = False) -> Checkpoint:

@@ -8,7 +8,7 @@ the shared experts. The block maps hidden states [..., H] to the MoE output [...
 quantized expert weights stay packed (experts `weight_format`: `SwiGLUExperts` / `GptOssExperts` hold the
 containers, run through `grouped_linear`).
 
-Public through `tutel_jax.checkpoint.hf_moe` (`hf_moe_block`, `hf_moe_block_tensors`, `moe_layer_indices`).
+Public through `tutel_jax.models` (`hf_moe_block`, `hf_moe_block_tensors`, `moe_layer_indices`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
     """(MoEConfig, params) for the MoE block of decoder layer `layer` (default: the last MoE layer).
 
     Args:
-      tensors: the checkpoint's tensors by on-disk name (e.g. `load_safetensors(path)`).
+      tensors: the checkpoint's tensors by on-disk name (e.g. `checkpoint.safetensors_io.load_safetensors(path)`).
       config: the checkpoint's config.json as a dict.
       layer: decoder layer index; must hold an MoE block.
       capacity_factor: the gate's default (0: dropless, as in HF).
