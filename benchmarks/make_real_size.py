@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tutel_jax.checkpoint.safetensors_io import DTYPES  # noqa: E402
-from tutel_jax.checkpoint.safetensors_write import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards,  # noqa: E402
-                                                    shard_is_complete, write_index, write_shard)
+from tutel_jax.checkpoint.safetensors_write import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards, shard_is_complete,
+                                                    write_index, write_shard)
 from tutel_jax.models.quant_layout import checkpoint_layout  # noqa: E402
 from tutel_jax.lm.byte_tokenizer import write_tokenizer  # noqa: E402
 

@@ -212,7 +212,7 @@ class Decoder:
 def decode_bytes(model: Any, batch: int) -> float:
     """Bytes read by one decode step at `batch` (module docstring): non-expert weights (the embedding's rows
     only) plus the expected used experts of every MoE layer."""
-    from tutel_jax import quant_weights
+    from tutel_jax.quant import weights as quant_weights
 
     params = model.params
     total = 0.0

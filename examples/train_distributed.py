@@ -185,7 +185,7 @@ def explain_child_failure(code: int, status: dict[str, str], log_text: str) -> i
 if __name__ == "__main__" and SUPERVISOR_ENV not in os.environ and "--no_supervisor" not in sys.argv[1:]:
     sys.exit(supervise(sys.argv[1:]))
 
-from tutel_jax.cli_args import (ensure_host_device_count, finite_float, int_at_least, non_negative_float,  # noqa: E402
+from tutel_jax.cli_args import (ensure_host_device_count, finite_float, int_at_least, non_negative_float,
                                 positive_float, set_host_device_count)
 
 
@@ -292,8 +292,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params  # noqa: E402
-from tutel_jax.parallel.failures import (PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers,  # noqa: E402
-                                         stopped_message)
+from tutel_jax.parallel.failures import PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers, stopped_message
 
 
 # ----------------------------------------------------------------------------------------------------------

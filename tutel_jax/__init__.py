@@ -6,19 +6,18 @@ Public surface:
   MoEConfig, make_config     the layer's static description
   init_params, moe_apply     the functional core: pure functions over parameter pytrees, (y, aux) out
   MoEAux                     aux loss and routing statistics of one call
-  linen.MoELinen             Flax Linen adapter
+  nn.MoELinen                Flax Linen adapter
 """
 
 import importlib
 
 from . import moe
-from .config import MoEConfig, make_config
-from .dispatch import fast_decode, fast_encode
+from .core import gshard_loss, load_importance_loss
 from .experts import Experts, FFNExperts, LlamaFFNExperts, register_experts
-from .layer import MoEAux, init_params, moe_apply, route
-from .losses import gshard_loss, load_importance_loss
-from .module import MoE
+from .layer import MoEAux, MoEConfig, init_params, make_config, moe_apply, route
+from .nn import MoE
 from .routing import Gate, RoutingPlan, register_gate, top_k_routing
+from .routing.dispatch import fast_decode, fast_encode
 
 __version__ = "0.1.0"
 
@@ -28,10 +27,13 @@ __all__ = [
     "Experts", "FFNExperts", "LlamaFFNExperts", "register_experts", "gshard_loss", "load_importance_loss",
 ]
 
-_LAZY_SUBMODULES = ("models", "serving", "parallel", "checkpoint", "reconfigure", "training", "linen")
+#: heavier subpackages load on first use (`tutel_jax.models.from_pretrained(...)`); earlier names of moved modules
+_LAZY_SUBMODULES = {"models": "models", "serving": "serving", "parallel": "parallel", "checkpoint": "checkpoint",
+                    "runtime": "runtime", "reconfigure": "runtime.reconfigure", "training": "runtime.training",
+                    "linen": "nn.linen"}
 
 
-def __getattr__(name):  # heavier subpackages load on first use: `tutel_jax.models.from_pretrained(...)`
+def __getattr__(name):
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_LAZY_SUBMODULES[name]}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

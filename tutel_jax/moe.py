@@ -1,8 +1,8 @@
 """Tutel-compatible namespace: `from tutel_jax import moe` then `moe.moe_layer(...)`, `moe.top_k_routing(...)`,
 `moe.fast_encode(...)`, `moe.fast_decode(...)`, as in `from tutel import moe`."""
 
-from .dispatch import fast_decode, fast_encode
-from .module import MoE
+from .nn import MoE
+from .routing.dispatch import fast_decode, fast_encode
 from .routing.plan import RoutingPlan, top_k_routing
 
 moe_layer = MoE

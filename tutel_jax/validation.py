@@ -72,12 +72,15 @@ def is_real(value: Any) -> bool:
             and math.isfinite(float(value)))
 
 
-def check_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """`value` as an int, or ValueError naming `name`: an integer (not bool, str, float or None) in
-    [minimum, maximum] (either bound optional)."""
+def check_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
+              optional: bool = False) -> int | None:
+    """`value` as an int, or ValueError naming `name` ("top_k must be an integer >= 1, got 0"): an integer (Python
+    or NumPy; not bool, str, float) in [minimum, maximum] (either bound optional); None passes when `optional`."""
+    if value is None and optional:
+        return None
     problem = _int_problem(value, minimum, maximum)
     if problem:
-        raise ValueError(f"{name}: {problem}")
+        raise ValueError(f"{name} {problem}" + (" (or None)" if optional else ""))
     return int(value)
 
 

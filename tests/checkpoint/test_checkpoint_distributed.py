@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from support.tutel_cases import TutelCase
 from tutel_jax import init_params, make_config, moe_apply
 from tutel_jax.checkpoint import load_torch_file
-from tutel_jax.checkpoint.distributed import (
-    gather_state_dicts, load_tutel_rank_files, load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
-    scatter_state_dict)
+from tutel_jax.checkpoint.distributed import (gather_state_dicts, load_tutel_rank_files,
+                                              load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
+                                              scatter_state_dict)
 from tutel_jax.checkpoint.orbax_io import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from support.paths import REPO
@@ -150,7 +150,7 @@ def test_rank_path():
     assert rank_path("/c/full.pt", 0, 1) == "/c/full.pt"
     with pytest.raises(ValueError, match=r"no '\{rank\}'"):
         rank_path("/c/moe-{size}.pt", 0, 2)
-    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 1\]"):
         rank_path("/c/moe-{rank}.pt", 2, 2)
 
 

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.checkpoint.safetensors_io import DTYPES, SafetensorsFile, open_checkpoint
-from tutel_jax.checkpoint.safetensors_write import (TensorInfo, plan_shards, shard_is_complete, write_index,
-                                                    write_shard)
+from tutel_jax.checkpoint.safetensors_write import TensorInfo, plan_shards, shard_is_complete, write_index, write_shard
 from tutel_jax.models import from_pretrained
 from tutel_jax.models.quant_layout import checkpoint_layout
 from tutel_jax.models.random_init import hf_tensor_shapes, random_hf_tensors

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from support import reference_np as ref
-from tutel_jax import dispatch, fast_decode, fast_encode, top_k_routing
+from tutel_jax.routing import dispatch
+from tutel_jax import fast_decode, fast_encode, top_k_routing
 
 
 def _plan(S, E, k, cf, seed=0):

@@ -10,7 +10,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import targets
-from tutel_jax import execution, init_params, make_config, moe_apply
+from tutel_jax.layer import execution
+from tutel_jax import init_params, make_config, moe_apply
 
 GPU_KINDS = {"sm_80": "NVIDIA A100-SXM4-80GB", "sm_90": "NVIDIA H100 80GB HBM3"}
 

@@ -12,7 +12,7 @@ import pytest
 
 from support import reference_np as ref
 from tutel_jax import init_params, make_config, moe_apply, route
-from tutel_jax.losses import cv_squared, gshard_loss, load_importance_loss
+from tutel_jax.core.losses import cv_squared, gshard_loss, load_importance_loss
 from tutel_jax.routing.gates import CosineTopGate, TopGate
 from tutel_jax.routing.routers import MixtralRouter
 
@@ -229,7 +229,7 @@ def test_gate_selection_is_declared_not_probed():
 
 
 def test_legacy_gate_adapter_fields_follow_dataclasses_replace():
-    from tutel_jax.reconfigure import with_gate_defaults
+    from tutel_jax.runtime.reconfigure import with_gate_defaults
     config = make_config(_LegacyTop(), M, EXPERTS)
     replaced = with_gate_defaults(config, 1, 0.5).gates[0]
     assert (replaced.k, replaced.capacity_factor) == (1, 0.5)

@@ -11,10 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from tutel_jax import losses, make_config, moe, moe_apply
-from tutel_jax.dropless import IMPLS
-from tutel_jax.layer import init_params
-from tutel_jax.linen import MoELinen
+from tutel_jax.core import losses
+from tutel_jax import make_config, moe, moe_apply
+from tutel_jax.experts.dropless import IMPLS
+from tutel_jax.layer.pipeline import init_params
+from tutel_jax.nn.linen import MoELinen
 from tutel_jax.native import build
 from tutel_jax.parallel import ExpertParallel, moe_apply_expert_sliced, moe_apply_parallel
 from tutel_jax.routing.gates import GATE_TYPES

@@ -147,7 +147,7 @@ def test_size_config_and_parameter_counts():
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"hidden": 0}, "LMSize.hidden must be a positive int"), ({"layers": 2.0}, "LMSize.layers"),
+    ({"hidden": 0}, "LMSize.hidden must be an integer >= 1"), ({"layers": 2.0}, "LMSize.layers"),
     ({"heads": 6, "kv_heads": 4}, "multiple of kv_heads"), ({"top_k": 5}, "top_k .* <= experts"),
     ({"head_dim": 7}, "head_dim must be even"), ({"vocab": 128}, "vocab must be >= 256"),
     ({"rope_theta": float("nan")}, "rope_theta"), ({"initializer_range": 0}, "initializer_range"),
@@ -240,8 +240,8 @@ def test_loss_metrics_and_eval_against_float64_references(model, tokens, referen
 def test_expert_parallel_loss_against_the_references(model, tokens, reference):
     """lm_loss with the trainer's MoE call (`MoECall`: 4-way expert parallel x 2 data shards over the 8 CPU
     devices, tokens split over all 8): the same ce and loads; l_aux is the mean of the 8 shards' own losses."""
-    from tutel_jax.reconfigure import RuntimeConfig, plan_layout
-    from tutel_jax.training import MoECall
+    from tutel_jax.runtime.reconfigure import RuntimeConfig, plan_layout
+    from tutel_jax.runtime.training import MoECall
 
     default, _, record = reference
     layout = plan_layout(moe_config(model), RuntimeConfig.ep(4, data=2))

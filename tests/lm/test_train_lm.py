@@ -121,7 +121,7 @@ def test_bad_input_is_a_clear_error(train_lm, runs, tmp_path, capsys):
 
 
 def test_export_loads_generates_and_serves(runs, tmp_path):
-    from tests.server_process import served
+    from support.server_process import served
     import httpx
     from tutel_jax.lm import byte_tokenizer, init_lm, LMSize
     from tutel_jax.models import from_pretrained

@@ -136,7 +136,7 @@ def test_nnx_wrapper_forward_and_train_step():
     import optax
     from flax import nnx
 
-    from tutel_jax.models import NNXCausalLM
+    from tutel_jax.nn import NNXCausalLM
     model, e = _load("deepseek_v3")
     m = NNXCausalLM(model)
     ids = e["input_ids"]

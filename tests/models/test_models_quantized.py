@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax import quant_weights
-from tutel_jax.config import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.quant import weights as quant_weights
+from tutel_jax.layer.config import make_config
+from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import from_pretrained, memory_report
 from tutel_jax.models.dequant import QuantizedTensors
 from support.paths import HF

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tutel_jax.cli import main
-from tutel_jax.config import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.layer.config import make_config
+from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import NativeKernelError, build, moe_swiglu
 from tutel_jax.serving import generate
@@ -198,7 +198,7 @@ def test_bad_kernel_arguments():
         moe_swiglu(x, ids, enc, dec, gate_up, down[:, :-1])
     with pytest.raises(ValueError, match=r"must be \[K, S=8\]"):
         moe_swiglu(x, ids[:, :4], enc, dec, gate_up, down)
-    with pytest.raises(ValueError, match="max_workers must be a positive int"):
+    with pytest.raises(ValueError, match="max_workers must be an integer >= 1"):
         moe_swiglu(x, ids, enc, dec, gate_up, down, max_workers=0)
 
 

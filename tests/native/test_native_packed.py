@@ -23,9 +23,9 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels.quant import Nvfp4Weight
-from tutel_jax import dropless
-from tutel_jax.config import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.experts import dropless
+from tutel_jax.layer.config import make_config
+from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import build, dense, moe_experts
 from tutel_jax.serving import generate

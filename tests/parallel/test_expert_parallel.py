@@ -175,8 +175,8 @@ def test_unequal_token_counts_agree_on_capacity():
 
 def _single_with_capacity_tokens(params, tokens, config, capacity_tokens):
     """The single-device layer on `tokens`, with the capacity computed as if there were `capacity_tokens`."""
-    from tutel_jax import dispatch
-    from tutel_jax.layer import route
+    from tutel_jax.routing import dispatch
+    from tutel_jax.layer.pipeline import route
     plan, _ = route(params["gates"][0], tokens, config, num_tokens_for_capacity=capacity_tokens)
     buf = dispatch.fast_encode(tokens, plan)
     out = config.experts.batched(params["experts"], buf)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from support import reference_routers_np as ref
-from tutel_jax import losses
+from tutel_jax.core import losses
 from tutel_jax.routing import make_gate, plan_from_choices, top_k_routing
 from tutel_jax.routing.routers import expert_choice_plan, sigmoid_group_topk
 

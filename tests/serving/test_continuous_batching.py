@@ -12,12 +12,7 @@ import pytest
 
 from tutel_jax.models.layers import AttnContext, attend, write_cache
 from tutel_jax.serving import generate
-from tutel_jax.serving.continuous import (
-    TRACES,
-    ContinuousBatcher,
-    Request,
-    prompt_bucket,
-)
+from tutel_jax.serving.continuous import TRACES, ContinuousBatcher, Request, prompt_bucket
 from tutel_jax.serving.generate import sample_rows
 from support.paths import HF
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from .torch_zip import load_torch_file, save_torch_file
 from .tutel_format import NUM_EXPERTS_KEY, params_to_state_dict, state_dict_to_params
+from ..validation import check_int
 
 __all__ = [
     "rank_path",
@@ -68,16 +69,14 @@ def rank_path(pattern: str | os.PathLike[str], rank: int, size: int) -> str:
     """
     pattern = os.fspath(pattern)
     _check_size(size, "size")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-        raise ValueError(f"rank must be an integer in [0, {size}), got {rank!r}")
+    check_int(rank, "rank", minimum=0, maximum=size - 1)
     if size > 1 and "{rank}" not in pattern:
         raise ValueError(f"file pattern {pattern!r} has no '{{rank}}': all {size} ranks would use the same file")
     return pattern.replace("{rank}", str(rank)).replace("{size}", str(size))
 
 
 def _check_size(size: Any, what: str) -> int:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-        raise ValueError(f"{what} must be a positive integer, got {size!r}")
+    check_int(size, what, minimum=1)
     return int(size)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..host_memory import empty_aligned
+from ..core.host_memory import empty_aligned
 from ..validation import load_json
 from .paths import resolve_inside
 from .torch_zip import CheckpointFormatError

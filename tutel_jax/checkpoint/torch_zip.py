@@ -63,7 +63,7 @@ class UnsafeCheckpointError(ValueError):
 
 
 from .torch_zip_format import (_STORAGE_DTYPES, EXPANSION_FLOOR_BYTES, MAX_EXPANSION_RATIO, MAX_NESTING,
-                                MAX_PICKLE_BYTES, MAX_PICKLE_MARKS, MAX_PICKLE_STACK)
+                               MAX_PICKLE_BYTES, MAX_PICKLE_MARKS, MAX_PICKLE_STACK)
 
 
 class _FormatProblem(Exception):

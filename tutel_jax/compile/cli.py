@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import execution
+from ..layer import execution
 from ..models.dequant import check_quantization_config
 from ..models.quant_layout import checkpoint_layout
 from ..models.spec import spec_from_config

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from ..models.attention import cache_dims
 from ..models.moe_block import _num_experts
 from .programs import Step, build_steps

@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from ..models.attention import cache_dims
 from .hardware import Hardware
 from .weights import AbstractModel, per_device_bytes

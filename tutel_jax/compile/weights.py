@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
-from .. import quant_weights
-from ..config import make_config
+from ..quant import weights as quant_weights
+from ..layer.config import make_config
 from ..models.causal_lm import from_pretrained
 from ..models.families import family_of
 from ..models.family import moe_hidden_size

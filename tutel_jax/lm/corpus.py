@@ -29,7 +29,6 @@ import fnmatch
 import functools
 import hashlib
 import numbers
-import operator
 import os
 import queue
 import sysconfig
@@ -39,6 +38,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from ..validation import check_int
 
 __all__ = ["ByteCorpus", "BatchIterator", "SEPARATOR", "SPLITS", "local_rows", "split_of"]
 
@@ -51,15 +52,7 @@ DEFAULT_EXCLUDE_DIRS = ("site-packages", "dist-packages")
 
 def _count(name: str, value: object, minimum: int) -> int:
     """`value` as an int >= minimum (NumPy integers accepted, bools refused), else a ValueError naming `name`."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return value
+    return check_int(value, name, minimum=minimum)
 
 
 def split_of(rel_path: str, val_fraction: float) -> str:

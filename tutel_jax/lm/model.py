@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..config import MoEConfig
-from ..autotune import LOAD_RATIO_KEY, load_ratio
-from ..layer import MoEAux, moe_apply
+from ..layer.config import MoEConfig
+from ..runtime.autotune import LOAD_RATIO_KEY, load_ratio
+from ..layer.pipeline import MoEAux, moe_apply
 from ..models.causal_lm import CausalLM
 from ..models.decoder import forward
 from ..models.export import save_pretrained
@@ -36,6 +36,7 @@ from ..models.layers import AttnContext
 from ..models.random_init import random_hf_tensors
 from ..models.spec import spec_from_config
 from .byte_tokenizer import VOCAB_SIZE, write_tokenizer
+from ..validation import check_int
 
 __all__ = ["LMSize", "init_lm", "moe_config", "causal_context", "lm_loss", "lm_eval", "bits_per_byte", "export_lm"]
 
@@ -68,9 +69,7 @@ class LMSize:
 
     def __post_init__(self):
         for name in _INT_FIELDS:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LMSize.{name} must be a positive int, got {v!r}")
+            check_int(getattr(self, name), f"LMSize.{name}", minimum=1)
         for name in ("rope_theta", "initializer_range"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):

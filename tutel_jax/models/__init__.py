@@ -12,9 +12,8 @@ from .export import save_pretrained
 from .layers import AttnContext
 from .memory import MemoryReport, memory_report
 from .moe_block import hf_moe_block, hf_moe_block_tensors, moe_layer_indices
-from .nnx_model import NNXCausalLM
 from .spec import FAMILIES, DecoderSpec, spec_from_config
 
-__all__ = ["AttnContext", "CausalLM", "DecoderSpec", "FAMILIES", "MemoryReport", "NNXCausalLM",
+__all__ = ["AttnContext", "CausalLM", "DecoderSpec", "FAMILIES", "MemoryReport",
            "context_from_mask", "forward", "from_pretrained", "hf_moe_block", "hf_moe_block_tensors", "memory_report",
            "moe_layer_indices", "save_pretrained", "spec_from_config"]

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from .layers import AttnContext, apply_rope, attend, linear, rms_norm, write_cache
 from .spec import DecoderSpec
 

@@ -99,7 +99,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
-    weights packed in memory (`dequant.QuantizedTensors`); the matmuls dequantize (`tutel_jax.quant_weights`).
+    weights packed in memory (`dequant.QuantizedTensors`); the matmuls dequantize (`tutel_jax.quant.weights`).
     `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
     With a `mesh` (jax.sharding.Mesh), the routed experts are split over its `expert_axis` and each device
     receives only its own experts' slices while the checkpoint is read (`placement.MeshPlacement`); other
@@ -107,8 +107,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     own experts on all the tokens, the outputs all-reduced; expert weights are never gathered).
     `kernel_backend` of the MoE layers' gating, dispatch and expert matmuls (None / 'auto', the default: the
     kernels of the platform the program is compiled for, plain XLA on CPUs; or 'xla', 'pallas', 'interpret',
-    'tpu', 'tpu_interpret'; see `tutel_jax.execution`).
-    `dropless_impl` of the MoE layers (see `tutel_jax.dropless`; 'auto': on CPU the loop over the used experts
+    'tpu', 'tpu_interpret'; see `tutel_jax.layer.execution`).
+    `dropless_impl` of the MoE layers (see `tutel_jax.experts.dropless`; 'auto': on CPU the loop over the used experts
     for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
     C++ CPU kernel for SwiGLU and GPT-OSS experts, float or packed, the fastest CPU decode, checked and built
     here; 'auto' picks it on CPU for packed experts).

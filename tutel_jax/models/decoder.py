@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..layer import moe_apply, route
+from ..layer.pipeline import moe_apply, route
 from ..parallel.expert_sliced import moe_apply_expert_sliced
 from .attention import gqa_attention, mla_attention
 from .layers import AttnContext, rms_norm, rope_cos_sin, swiglu_mlp, unembed

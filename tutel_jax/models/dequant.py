@@ -14,7 +14,7 @@ so the float loaders (`hf_tables`, `moe_block`) read quantized checkpoints uncha
                           -> X.weight = LUT[nibbles] * (f32(weight_scale) * weight_scale_2)  (X.input_scale unused)
 Other floating tensors (bf16, f16) are upcast to float32 exactly. That is the reference path; the default
 `QuantizedTensors` view keeps the weights packed (containers of `pallas_kernels.quant`), dequantized inside the
-matmuls (`tutel_jax.quant_weights`).
+matmuls (`tutel_jax.quant.weights`).
 """
 
 from __future__ import annotations

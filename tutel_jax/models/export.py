@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from .hf_tables import attention_table, mlp_prefix
 from .moe_block import hf_moe_block_tensors
 from .param_layout import to_disk, unkernel

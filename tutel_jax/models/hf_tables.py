@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from .families import get_family
 from .moe_block import _num_experts, hf_moe_block
 from .param_layout import kernel, to_memory

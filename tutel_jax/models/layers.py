@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import quant_weights
-from ..linear import DENSE_IMPLS, check_dense_impl, linear
+from ..quant import weights as quant_weights
+from ..experts.linear import DENSE_IMPLS, check_dense_impl, linear
 from ..native.dense import dense, worth_it
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 
 __all__ = ["MemoryReport", "memory_report"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import quant_weights
-from ..config import make_config
-from ..layer import init_params
+from ..quant import weights as quant_weights
+from ..layer.config import make_config
+from ..layer.pipeline import init_params
 from .families import family_of
 from .family import moe_hidden_size
 

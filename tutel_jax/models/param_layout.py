@@ -4,7 +4,7 @@ On disk (HF) a linear weight is [out, in]. In memory a float linear weight is a 
 (`layers.linear` computes `x @ w`), and the GQA attention's q/k/v kernels are one fused `qkv_proj`
 [M, (Hq + 2 Hkv) D] (with `qkv_bias` when the family has q/k/v biases): one matmul per layer instead of three,
 reading a row-major kernel, which is what a small-batch decode step is bound by. Quantized containers
-(`tutel_jax.quant_weights`) keep the on-disk [out, in] blocks and are never fused.
+(`tutel_jax.quant.weights`) keep the on-disk [out, in] blocks and are never fused.
 
 `to_memory` / `to_disk` convert one layer's attention dict; `kernel` / `unkernel` one weight.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 from .spec import DecoderSpec
 
 __all__ = ["kernel", "unkernel", "is_linear", "qkv_sizes", "to_memory", "to_disk"]

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
 
 __all__ = ["MeshPlacement"]
 

@@ -16,8 +16,7 @@ from typing import Any
 
 from ..validation import Field, check_fields, load_json, raise_problems
 from .families import family_names, get_family
-from .family import (COMMON_FIELDS, EXPERT_COUNT_KEYS, MAX_HEAD_DIM, MOE_WIDTH_KEYS, MAX_POSITIONS, MAX_WIDTH,
-                     Family)
+from .family import COMMON_FIELDS, EXPERT_COUNT_KEYS, MAX_HEAD_DIM, MOE_WIDTH_KEYS, MAX_POSITIONS, MAX_WIDTH, Family
 from .layers import rope_inv_freq
 
 __all__ = ["FAMILIES", "MLASpec", "DecoderSpec", "spec_from_config", "validate_config", "read_config",

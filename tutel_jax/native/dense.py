@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import backends, quant_weights
-from ..vma import varying_like
+from ..core import backends
+from ..quant import weights as quant_weights
+from ..core.vma import varying_like
 from .build import NativeKernelError, register
 from .weights import check_max_workers, empty, unsupported, weight_args
 

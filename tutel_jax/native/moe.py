@@ -3,7 +3,7 @@
 Decoding a few tokens is bound by reading the used experts' weights. XLA:CPU copies each expert's weights
 chosen at run time before multiplying them, and dequantizes a packed expert into float32 in memory; the native
 kernel streams the used experts' bytes once, in memory order, on every core of XLA's intra-op thread pool, and
-decodes packed formats (FP8 block, MXFP4, NVFP4) in registers. `tutel_jax.layer` uses it as
+decodes packed formats (FP8 block, MXFP4, NVFP4) in registers. `tutel_jax.layer.pipeline` uses it as
 `dropless_impl='native'`.
 
   moe_experts(x, ids, enc, dec, w1, w2, up=..., b1=..., b2=..., glu=...)   any GLU experts, float or packed
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import quant_weights
-from ..vma import varying_like
+from ..quant import weights as quant_weights
+from ..core.vma import varying_like
 from .build import register
 from .weights import FLOAT_DTYPES, check_max_workers, empty, weight_args
 
@@ -58,7 +58,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
       glu: 'swiglu' (h = [gate | up] halves: silu(gate) * up) or 'gpt_oss' (h interleaved, gate = even and up =
         odd columns: `experts_glu.gpt_oss_glu` with alpha and limit).
       max_workers: threads to use at most (default: XLA's intra-op pool).
-    Not differentiable by itself (`tutel_jax.layer` gives it the 'loop' path's VJP).
+    Not differentiable by itself (`tutel_jax.layer.pipeline` gives it the 'loop' path's VJP).
     """
     if glu not in GLUS:
         raise ValueError(f"moe_experts: glu must be one of {GLUS}, got {glu!r}")

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import quant_weights
+from ..quant import weights as quant_weights
+from ..validation import check_int
 
 __all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "weight_args",
            "unsupported", "empty", "check_max_workers"]
@@ -33,9 +34,7 @@ _MAX_WORKERS = 1 << 30
 
 def check_max_workers(max_workers: Any, what: str) -> int:
     """The kernels' max_workers attribute: a positive int, or None for XLA's whole intra-op pool."""
-    if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int)
-                                    or max_workers < 1):
-        raise ValueError(f"{what}: max_workers must be a positive int or None, got {max_workers!r}")
+    check_int(max_workers, f"{what}: max_workers", minimum=1, optional=True)
     return int(max_workers or _MAX_WORKERS)
 
 

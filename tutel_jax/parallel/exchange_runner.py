@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import dispatch, dropless
-from ..config import MoEConfig
-from ..expert_paths import run_routed_experts
+from ..routing import dispatch
+from ..experts import dropless
+from ..layer.config import MoEConfig
+from ..layer.expert_paths import run_routed_experts
 from ..routing.plan import RoutingPlan, align_capacity
 from .all_to_all import expert_all_to_all, expert_all_to_all_reverse
 from .ragged_dropless import ragged_dropless_experts

@@ -15,7 +15,7 @@ from typing import Callable
 
 from jax import lax
 
-from ..call_options import DROPLESS_EXCHANGES
+from ..core.call_options import DROPLESS_EXCHANGES
 from .ragged_dropless import emulated_ragged_all_to_all, ragged_supported
 
 __all__ = ["AUTO_ORDER", "EXCHANGES", "DroplessExchange", "resolve_exchange"]

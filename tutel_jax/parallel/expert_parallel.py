@@ -29,11 +29,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..call_options import CallOptions
-from ..config import MoEConfig
-from ..experts import as_experts
-from ..layer import MoEAux, empty_result, moe_pipeline, routing_args
-from ..token_group import TokenGroup
+from ..core.call_options import CallOptions
+from ..layer.config import MoEConfig
+from ..experts.base import as_experts
+from ..layer.pipeline import MoEAux, empty_result, moe_pipeline, routing_args
+from ..core.token_group import TokenGroup
 from ..validation import check_input
 from .exchange_runner import SHARDED_EXPERT_AXES, ExchangeRunner
 from .exchanges import resolve_exchange

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..config import MoEConfig
-from ..layer import MoEAux, moe_apply, run_routed_experts
+from ..layer.config import MoEConfig
+from ..layer.pipeline import MoEAux, moe_apply, run_routed_experts
 from ..routing.plan import RoutingPlan
 from ..validation import check_input
-from ..vma import varying_like
+from ..core.vma import varying_like
 from .expert_parallel import shard_map
 
 __all__ = ["local_plan", "moe_apply_expert_sliced", "param_specs"]

@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import backends, dispatch
+from ..core import backends
+from ..routing import dispatch
 from ..routing.plan import RoutingPlan
-from ..vma import varying
+from ..core.vma import varying
 from .all_to_all import axis_size
 
 __all__ = ["ragged_supported", "emulated_ragged_all_to_all", "default_recv_capacity", "ragged_dropless_experts"]

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from ..validation import check_capacity_factor
+from ..validation import check_capacity_factor, check_int
 
 __all__ = ["Gate", "MinimalGate", "GateAdapter", "as_gate", "TopGate", "CosineTopGate", "GATE_TYPES",
            "register_gate", "make_gate", "torch_linear_init", "TUTEL", "SELECT", "PLAN"]
@@ -306,8 +306,7 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
             raise ValueError(f"gate_type[{index}] ({kind!r}): unknown option(s) {unknown}; expected some of {sorted(known)}")
     if "k" in options:
         k = options["k"]
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"gate_type[{index}]['k'] must be an integer >= 1, got {k!r}")
+        check_int(k, f"gate_type[{index}]['k']", minimum=1)
     return _checked(factory(**options), index)
 
 

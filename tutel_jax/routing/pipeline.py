@@ -32,14 +32,8 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-from .. import backends
-from ..losses import (
-    gshard_loss,
-    load_importance_loss,
-    router_z_loss,
-    sequence_aux_loss,
-    switch_load_loss,
-)
+from ..core import backends
+from ..core.losses import gshard_loss, load_importance_loss, router_z_loss, sequence_aux_loss, switch_load_loss
 from .gates import PLAN, SELECT, TUTEL, Gate, as_gate
 from .plan import RoutingPlan, plan_from_choices, top_k_routing
 from .routers import RouterChoices

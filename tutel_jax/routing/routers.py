@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from .gates import GATE_TYPES, Gate, torch_linear_init
 from .plan import RoutingPlan, align_capacity
+from ..validation import check_int
 
 __all__ = [
     "RouterChoices", "softmax_topk", "softmax_choices", "topk_softmax", "sigmoid_group_topk", "sigmoid_choices",
@@ -62,8 +63,7 @@ jax.tree_util.register_dataclass(RouterChoices, data_fields=["expert_ids", "weig
 
 
 def _check_k(k: int, num_experts: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+    check_int(k, "top_k", minimum=1)
     if k > num_experts:
         raise ValueError(f"top_k = {k} exceeds the number of experts {num_experts}")
     return k

@@ -22,13 +22,7 @@ from typing import Any
 
 from ..models import from_pretrained
 from .api_errors import APIError, error_body
-from .api_requests import (
-    ModelLimits,
-    ParsedRequest,
-    parse_body,
-    parse_chat,
-    parse_completion,
-)
+from .api_requests import ModelLimits, ParsedRequest, parse_body, parse_chat, parse_completion
 from .chat_template import TemplateLimits
 from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull
 from .http_guard import RequestGuard

@@ -50,8 +50,8 @@ import numpy as np
 from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
 from .generate import add_logit_bias, finite_rows, sample_rows
-from .sampling import MAX_LOGIT_BIAS, NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays, \
-    model_context
+from .sampling import (MAX_LOGIT_BIAS, NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays,
+                       model_context)
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
 

@@ -25,12 +25,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from tutel_jax.models import from_pretrained, memory_report
-from tutel_jax.native import NativeKernelError
-from tutel_jax.serving import generate
-from tutel_jax.serving.tokenizer import eos_token_ids
+from ..models import from_pretrained, memory_report
+from ..native import NativeKernelError
+from . import generate
+from .tokenizer import eos_token_ids
 
-from .. import execution
+from ..layer import execution
 from ..cli_args import CommandParser, checked, int_in_range
 from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 from .tokenizer import IncrementalDecoder, encode, load_tokenizer

@@ -47,25 +47,12 @@ import argparse
 import logging
 import socket
 
-from .. import execution
-from ..cli_args import (
-    CommandParser,
-    int_at_least,
-    int_in_range,
-    non_negative_float,
-    positive_float,
-)
+from ..layer import execution
+from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
 from ..native import NativeKernelError
 from .api_errors import APIError
 from .app import Server, create_app
-from .engines import (
-    Completion,
-    ContinuousEngine,
-    Engine,
-    Job,
-    QueueFull,
-    finish_completion,
-)
+from .engines import Completion, ContinuousEngine, Engine, Job, QueueFull, finish_completion
 from .http_guard import guarded_h11_protocol
 from .server_config import ServerConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..execution import Execution
+from ..layer.execution import Execution
 
 __all__ = ["ServerConfig"]
 
@@ -31,7 +31,7 @@ class ServerConfig:
     warmup_prompt_lens: list[int] | None = None    # with these prompt lengths; default [1]
     warmup_max_tokens: int = 2
     execution: Execution = Execution()  # how the loaded model runs: kernels, dropless path, dense path, per-layer
-                                        # programs (`tutel_jax.execution`; unset fields: the library's defaults)
+                                        # programs (`tutel_jax.layer.execution`; unset fields: the library's defaults)
     dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408

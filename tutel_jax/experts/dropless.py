@@ -44,10 +44,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from . import backends
-from .native import NativeKernelError
-from .native.moe import ensure_registered
-from .routing.plan import RoutingPlan, align_capacity
+from ..core import backends
+from ..native import NativeKernelError
+from ..native.moe import ensure_registered
+from ..routing.plan import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
            "extend_for_cpu", "register_dropless_path", "resolve_impl", "run_bucketed"]
@@ -131,7 +131,7 @@ class DroplessPath:
     check: Callable[[Any], None] | None = None
 
 
-#: the dropless paths by name (the built-in ones are registered by `tutel_jax.expert_paths`)
+#: the dropless paths by name (the built-in ones are registered by `tutel_jax.layer.expert_paths`)
 DROPLESS_PATHS: dict[str, DroplessPath] = {}
 
 

@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .config import make_config
-from .layer import init_params, moe_apply
-from .routing.gates import as_gate
+from ..layer.config import make_config
+from ..layer.pipeline import init_params, moe_apply
+from ..routing.gates import as_gate
 
 __all__ = ["MoELinen"]
 

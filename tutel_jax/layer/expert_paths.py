@@ -18,10 +18,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, dropless, expert_loop
+from ..routing import dispatch
+from ..experts import dropless, loop as expert_loop
 from .config import MoEConfig
-from .dropless import DroplessPath, register_dropless_path
-from .routing.plan import RoutingPlan
+from ..experts.dropless import DroplessPath, register_dropless_path
+from ..routing.plan import RoutingPlan
 
 __all__ = ["run_experts_buffered", "run_experts_dropless", "run_routed_experts"]
 

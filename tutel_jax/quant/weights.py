@@ -6,7 +6,7 @@ A quantized weight is one of `pallas_kernels.quant`'s containers (`Fp8BlockWeigh
   dense(x [..., in], w [out, in]) -> [..., out]   (attention / dense MLP / shared-expert projections)
 
 The MoE experts' matmuls over [E, out, in] containers (batched, grouped, gathered) are the grouped-linear
-primitive, `tutel_jax.grouped_linear`, which takes float and packed expert weights alike.
+primitive, `tutel_jax.experts.grouped_linear`, which takes float and packed expert weights alike.
 
 `implementation` follows `pallas_kernels`: "auto" runs the dequantizing Pallas kernel on a GPU and the XLA
 reference (dequantize in float32, then matmul) elsewhere; "xla", "pallas" or "interpret" force one. Plain
@@ -26,7 +26,7 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels import quant_matmul
 
-from .host_memory import empty_aligned
+from ..core.host_memory import empty_aligned
 
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
            "logical_shape", "resident_bytes"]

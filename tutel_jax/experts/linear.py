@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import quant_weights
-from .native.dense import dense, worth_it
+from ..quant import weights as quant_weights
+from ..native.dense import dense, worth_it
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "linear"]
 
@@ -27,7 +27,7 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     """x [..., in] @ w (+ b [out]) -> [..., out] in x's dtype: w a float kernel [in, out], or a quantized container
     of the on-disk [out, in] weight.
 
-    impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant_weights`), 'native' (the
+    impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant.weights`), 'native' (the
     C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
     accumulation) or 'auto': 'native' on CPU for at most `native.dense.MAX_ROWS` rows (decode) of a bfloat16 or
     packed weight when the kernel can be built, else 'xla'."""

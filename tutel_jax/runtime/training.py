@@ -39,28 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .autotune import (
-    Autotuner,
-    Candidate,
-    Decision,
-    DecisionLog,
-    Measurement,
-    Sample,
-    metrics_load_ratio,
-)
-from .checkpoint.orbax_io import restore_checkpoint, save_checkpoint
-from .config import MoEConfig
-from .layer import MoEAux
-from .parallel.expert_parallel import moe_apply_parallel
-from .reconfigure import (
-    Layout,
-    RuntimeConfig,
-    batch_shardings,
-    opt_state_shardings,
-    params_shardings,
-    plan_layout,
-    reshard,
-)
+from .autotune import Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, metrics_load_ratio
+from ..checkpoint.orbax_io import restore_checkpoint, save_checkpoint
+from ..layer.config import MoEConfig
+from ..layer.pipeline import MoEAux
+from ..parallel.expert_parallel import moe_apply_parallel
+from .reconfigure import (Layout, RuntimeConfig, batch_shardings, opt_state_shardings, params_shardings, plan_layout,
+                          reshard)
+from ..validation import check_int
 
 __all__ = ["TrainState", "MoECall", "MoETrainer", "SwitchReport", "CacheInfo", "AutotuneReport"]
 
@@ -523,9 +509,8 @@ class MoETrainer:
         Returns:
           An AutotuneReport; `autotune_log` holds the decisions (a DecisionLog over all autotune calls).
         """
-        for name, value, low in (("warmup", warmup, 0), ("measure", measure, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"autotune: {name} must be an integer >= {low}, got {value!r}")
+        check_int(warmup, "autotune: warmup", minimum=0)
+        check_int(measure, "autotune: measure", minimum=1)
         tuner = Autotuner(clock=clock, tolerance=retune_tolerance, patience=patience, log=self.autotune_log)
         next_batch = _batch_source(batches)
         pending = [next_batch()]

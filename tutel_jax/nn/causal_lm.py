@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..module import _unbox, _wrap_params
-from .causal_lm import CausalLM
-from .decoder import context_from_mask, forward
+from .nnx import _unbox, _wrap_params
+from ..models.causal_lm import CausalLM
+from ..models.decoder import context_from_mask, forward
 
 __all__ = ["NNXCausalLM"]
 

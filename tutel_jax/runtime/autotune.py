@@ -2,7 +2,7 @@
 
 Tutel's paper describes a runtime that picks the fastest parallelism and pipelining as the capacity an MoE layer
 needs changes. This module is that decision logic, pure and clock-injectable; `MoETrainer.autotune` drives it
-with real training steps (see `tutel_jax.training`).
+with real training steps (see `tutel_jax.runtime.training`).
 
 * :class:`Autotuner.tune` validates every candidate first (`check`, e.g. `plan_layout` and the batch shape),
   then measures each valid one with a `measure(candidate)` callable (step times; compile time reported
@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layer import MoEAux
+from ..layer.pipeline import MoEAux
 from .reconfigure import RuntimeConfig
+from ..validation import check_int
 
 __all__ = ["LOAD_RATIO_KEY", "EVENTS", "load_ratio", "metrics_load_ratio", "short_name", "Candidate", "Sample",
            "Measurement", "LogEntry", "DecisionLog", "Decision", "Autotuner"]
@@ -275,8 +276,7 @@ class Autotuner:
                  patience: int = 3, log: DecisionLog | None = None):
         if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance > 0):
             raise ValueError(f"retune tolerance must be a finite number > 0, got {tolerance!r}")
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
-            raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
+        check_int(patience, "patience", minimum=1)
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
         self.clock = clock

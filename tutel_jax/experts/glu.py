@@ -21,10 +21,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from . import quant_weights
-from .experts import Experts, _activation, register_experts
+from ..quant import weights as quant_weights
+from .base import Experts, _activation, register_experts
 from .grouped_linear import Batched, Gathered, Grouped, Mode
-from .native import moe_experts
+from ..native import moe_experts
 
 __all__ = ["SwiGLUExperts", "GptOssExperts", "gpt_oss_glu"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .vma import summed_like, varying_like
+from ..core.vma import summed_like, varying_like
 
 __all__ = ["grouped", "chunk_rows"]
 

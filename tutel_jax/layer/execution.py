@@ -12,17 +12,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from .backends import (
-    KERNEL_BACKENDS,
-    PLATFORMS,
-    check_kernel_backend,
-    kernels,
-    platform,
-    use_kernels,
-)
-from .call_options import DROPLESS_EXCHANGES
-from .dropless import impl_names
-from .linear import DENSE_IMPLS
+from ..core.backends import KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels
+from ..core.call_options import DROPLESS_EXCHANGES
+from ..experts.dropless import impl_names
+from ..experts.linear import DENSE_IMPLS
+from ..validation import check_int
 
 __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Execution", "add_arguments", "from_arguments",
            "check_kernel_backend", "kernels", "platform", "use_kernels"]
@@ -46,8 +40,8 @@ class Execution:
     Attributes:
       kernel_backend: see the module docstring (`kernels`).
       dropless_impl: capacity_factor == 0 on one device: 'auto' or a registered path ('ragged', 'bucketed',
-        'loop', 'gather', 'native'; `tutel_jax.dropless`).
-      dense_impl: the dense projections of models: 'auto', 'xla' or 'native' (`tutel_jax.linear`).
+        'loop', 'gather', 'native'; `tutel_jax.experts.dropless`).
+      dense_impl: the dense projections of models: 'auto', 'xla' or 'native' (`tutel_jax.experts.linear`).
       dropless_exchange: how a dropless plan crosses devices: one of call_options.DROPLESS_EXCHANGES.
       per_layer_jit: models: one compiled program per kind of layer (True), one for the whole model (False), or
         'auto' (per layer from 8 layers on).
@@ -72,10 +66,8 @@ class Execution:
         _check_choice("dropless_exchange", self.dropless_exchange, DROPLESS_EXCHANGES)
         if self.per_layer_jit is not None and self.per_layer_jit not in (True, False, "auto"):
             raise ValueError(f"per_layer_jit must be True, False or 'auto', got {self.per_layer_jit!r}")
-        for name, least in (("a2a_ffn_overlap_degree", 1), ("adaptive_r", 0)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        check_int(self.a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", minimum=1, optional=True)
+        check_int(self.adaptive_r, "adaptive_r", minimum=0, optional=True)
         if self.use_2dh is not None and not isinstance(self.use_2dh, bool):
             raise ValueError(f"use_2dh must be True or False, got {self.use_2dh!r}")
 

@@ -20,8 +20,8 @@ from pallas_kernels.dispatch import decode_reference as decode
 from pallas_kernels.dispatch import encode_reference as encode
 from pallas_kernels.dispatch import gather_encode, grouped_rows, slot_owner
 
-from . import backends
-from .routing.plan import RoutingPlan
+from ..core import backends
+from .plan import RoutingPlan
 
 __all__ = [
     "encode", "decode", "fast_encode", "fast_decode", "buffer_slots", "grouped_slots", "group_row_experts",

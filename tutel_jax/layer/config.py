@@ -8,12 +8,13 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from . import experts_glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
-from .dropless import impl_names, resolve_impl
+from ..experts import glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
+from ..experts.dropless import impl_names, resolve_impl
 from .execution import check_kernel_backend
-from .experts import Experts, as_experts, make_experts
-from .routing.gates import Gate, make_gate
-from .shared_experts import SharedExperts, make_shared_experts
+from ..experts.base import Experts, as_experts, make_experts
+from ..routing.gates import Gate, make_gate
+from ..experts.shared import SharedExperts, make_shared_experts
+from ..validation import check_int
 
 __all__ = ["MoEConfig", "make_config"]
 
@@ -45,10 +46,10 @@ class MoEConfig:
         weights are read once; the CPU decode path), 'gather' (each assignment through its own expert's
         gathered weights), 'native' (CPU, SwiGLU experts: one C++ kernel per layer streaming the used experts'
         weights over all cores; the fastest CPU decode), or 'auto' (on CPU loop when k*S <= 32E, else
-        bucketed; ragged elsewhere). See `tutel_jax.dropless`.
+        bucketed; ragged elsewhere). See `tutel_jax.experts.dropless`.
       kernel_backend: the kernels of gating, dispatch/combine and, when the experts take it, their grouped
         matmuls: None / 'auto' (the default: the kernels of the platform the program is compiled for, plain XLA
-        on CPUs), 'xla', 'pallas', 'interpret', 'tpu' or 'tpu_interpret' (see `tutel_jax.execution`).
+        on CPUs), 'xla', 'pallas', 'interpret', 'tpu' or 'tpu_interpret' (see `tutel_jax.layer.execution`).
     """
 
     model_dim: int
@@ -96,8 +97,7 @@ class MoEConfig:
         return self.experts.output_dim or self.model_dim
 
     def gate(self, gate_index: int) -> Gate:
-        if isinstance(gate_index, bool) or not isinstance(gate_index, int) or not 0 <= gate_index < len(self.gates):
-            raise ValueError(f"gate_index must be an integer in [0, {len(self.gates)}), got {gate_index!r}")
+        check_int(gate_index, "gate_index", minimum=0, maximum=len(self.gates) - 1)
         return self.gates[gate_index]
 
 
@@ -107,8 +107,7 @@ def valid_adaptive_degrees(sharded_count: int) -> list[int]:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_int(value, name, minimum=1)
     return value
 
 

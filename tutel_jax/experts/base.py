@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .grouped_linear import Batched, Gathered, Grouped, Mode
+from ..validation import check_int
 
 __all__ = ["Experts", "MinimalExperts", "AdaptedExperts", "as_experts", "FFNExperts", "LlamaFFNExperts",
            "EXPERT_TYPES", "register_experts", "make_experts", "ACTIVATIONS"]
@@ -294,8 +295,7 @@ def make_experts(spec: Mapping) -> Experts:
     options = {k: v for k, v in spec.items() if k not in PLACEMENT_KEYS}
     if "hidden_size_per_expert" in options:
         hidden = options["hidden_size_per_expert"]
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
-            raise ValueError(f"experts['hidden_size_per_expert'] must be a positive integer, got {hidden!r}")
+        check_int(hidden, "experts['hidden_size_per_expert']", minimum=1)
     factory = EXPERT_TYPES[kind]
     try:
         net = factory(**options)

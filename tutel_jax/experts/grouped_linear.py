@@ -38,8 +38,9 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-from . import backends, quant_weights
-from .dispatch import group_row_experts
+from ..core import backends
+from ..quant import weights as quant_weights
+from ..routing.dispatch import group_row_experts
 
 __all__ = ["batched_linear", "grouped_linear", "gathered_linear", "Batched", "Grouped", "Gathered", "Mode"]
 

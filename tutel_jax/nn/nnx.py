@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .checkpoint import tutel_format
-from .checkpoint.torch_zip import save_torch_file
-from .config import MoEConfig, make_config
-from .layer import MoEAux, init_params, moe_apply
-from .losses import update_correction_bias
-from .parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
-from .reconfigure import reconfigure_layer
-from .routing.gates import as_gate
-from .routing.routers import CORRECTION_BIAS
+from ..checkpoint import tutel_format
+from ..checkpoint.torch_zip import save_torch_file
+from ..layer.config import MoEConfig, make_config
+from ..layer.pipeline import MoEAux, init_params, moe_apply
+from ..core.losses import update_correction_bias
+from ..parallel.expert_parallel import ExpertParallel, moe_apply_parallel, shard_params
+from ..runtime.reconfigure import reconfigure_layer
+from ..routing.gates import as_gate
+from ..routing.routers import CORRECTION_BIAS
 
 __all__ = ["MoE", "RoutingStat", "RouterState"]
 
@@ -74,9 +74,9 @@ class MoE(nnx.Module):
     parallelism; E = count_per_node x expert-axis size), seeds (gate seed, expert seed, noise seed),
     a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss,
     parallel_type, use_2dh. Keyword-only: dtype (parameter/compute dtype), rngs (nnx.Rngs; used when no seeds),
-    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.dropless`), kernel_backend (None / 'auto': the kernels
+    dropless_impl ('ragged', 'bucketed' or 'auto'; see `tutel_jax.experts.dropless`), kernel_backend (None / 'auto': the kernels
     of the platform the program is compiled for, plain XLA on CPUs; 'xla' | 'pallas' | 'interpret' | 'tpu' |
-    'tpu_interpret': that implementation; see `tutel_jax.execution`).
+    'tpu_interpret': that implementation; see `tutel_jax.layer.execution`).
     Modern routers ('mixtral', 'qwen3_moe', 'deepseek_v3', 'gpt_oss', 'switch', 'expert_choice') and experts
     ('swiglu', 'gpt_oss', with `'shared': {...}` shared experts) plug in through gate_type / experts; a DeepSeek
     gate's `e_score_correction_bias` is a `RouterState` (not an `nnx.Param`): see `update_correction_bias`.
@@ -250,14 +250,14 @@ class MoE(nnx.Module):
 
     # -- runtime reconfiguration -----------------------------------------------------------------------------
     def reconfigure(self, runtime: Any, *, optimizer: Any = None, devices: Any = None) -> None:
-        """Switches the layer, between two steps and without a restart, to a `tutel_jax.reconfigure.RuntimeConfig`:
+        """Switches the layer, between two steps and without a restart, to a `tutel_jax.runtime.reconfigure.RuntimeConfig`:
         a new mesh / expert-axis size (E / W experts per device, or W / E devices per expert), adaptive_r,
         a2a_ffn_overlap_degree, use_2dh, and new gate defaults top_k / capacity_factor (None keeps them).
 
         Validates first: a bad request raises ValueError and changes nothing. Then the parameters (global shapes
         kept) and, when `optimizer` (an `nnx.Optimizer`) is given, its moments move to the new shardings with
         `jax.device_put`, bit for bit. `nnx.jit` caches one compiled step per configuration, so switching back
-        does not recompile. See `tutel_jax.reconfigure.reconfigure_layer`.
+        does not recompile. See `tutel_jax.runtime.reconfigure.reconfigure_layer`.
         """
         reconfigure_layer(self, runtime, optimizer=optimizer, devices=devices)
 

@@ -14,9 +14,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from . import quant_weights
-from .experts import _activation
+from ..quant import weights as quant_weights
+from .base import _activation
 from .linear import linear
+from ..validation import check_int
 
 __all__ = ["SharedExperts", "make_shared_experts"]
 
@@ -81,8 +82,7 @@ def make_shared_experts(spec: Any) -> SharedExperts:
         raise ValueError(f"experts['shared']: unknown option(s) {unknown}; expected hidden_size, gate, activation_fn, "
                          "weight_format")
     hidden = options.get("hidden_size")
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
-        raise ValueError(f"experts['shared']['hidden_size'] must be a positive integer, got {hidden!r}")
+    check_int(hidden, "experts['shared']['hidden_size']", minimum=1)
     weight_format = quant_weights.check_format(options.get("weight_format"), "experts['shared']['weight_format']")
     return SharedExperts(hidden, bool(options.get("gate", False)), _activation(options.get("activation_fn"), "silu"),
                          weight_format)

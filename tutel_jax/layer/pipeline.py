@@ -14,14 +14,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from .call_options import CallOptions
+from ..core.call_options import CallOptions
 from .config import MoEConfig
 from .expert_paths import run_experts_buffered, run_experts_dropless, run_routed_experts
-from .routing.plan import RoutingPlan
-from .routing.gates import PLAN, Gate, as_gate
-from .routing.pipeline import route_tokens, zero_losses
-from .token_group import LOCAL, TokenGroup
-from .validation import check_capacity_factor, check_input
+from ..routing.plan import RoutingPlan
+from ..routing.gates import PLAN, Gate, as_gate
+from ..routing.pipeline import route_tokens, zero_losses
+from ..core.token_group import LOCAL, TokenGroup
+from ..validation import check_capacity_factor, check_input, check_int
 
 __all__ = ["MoEAux", "init_params", "moe_apply", "moe_pipeline", "run_routed_experts", "run_experts_buffered",
            "run_experts_dropless", "route", "apply_shared_experts", "routing_args", "empty_result"]
@@ -133,8 +133,7 @@ def routing_args(config: MoEConfig, gate_index: int = 0, top_k: int | None = Non
     """
     gate = as_gate(config.gate(gate_index))  # a Gate already when the config comes from `make_config`
     k = gate.k if top_k is None else top_k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+    check_int(k, "top_k", minimum=1)
     cf = check_capacity_factor(gate.capacity_factor if capacity_factor is None else capacity_factor)
     if gate.selection == PLAN and not cf > 0:
         raise ValueError(f"expert-choice routing has a fixed capacity: capacity_factor must be > 0, got {cf}")

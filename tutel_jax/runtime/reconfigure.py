@@ -12,7 +12,7 @@ all outside any compiled function:
    layout (:func:`params_shardings`, :func:`opt_state_shardings`). Arrays keep their global shapes (expert
    tensors stay [E, ...]); only their placement changes, bit for bit.
 
-A compiled step is then chosen for the new layout (`tutel_jax.training.MoETrainer` caches one per
+A compiled step is then chosen for the new layout (`tutel_jax.runtime.training.MoETrainer` caches one per
 configuration); the NNX module has `MoE.reconfigure`.
 
 Which switches change the math (Tutel semantics, every device routing its own tokens):
@@ -42,18 +42,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .config import MoEConfig, valid_adaptive_degrees
-from .dropless import impl_names, resolve_impl
-from .native.build import NativeKernelError
-from .parallel.expert_parallel import ExpertParallel, param_shardings
-from .validation import check_capacity_factor
+from ..layer.config import MoEConfig, valid_adaptive_degrees
+from ..experts.dropless import impl_names, resolve_impl
+from ..native.build import NativeKernelError
+from ..parallel.expert_parallel import ExpertParallel, param_shardings
+from ..validation import check_capacity_factor, check_int
 
 __all__ = ["RuntimeConfig", "Layout", "plan_layout", "is_moe_layer", "params_shardings", "opt_state_shardings",
            "batch_shardings", "reshard", "with_gate_defaults", "reconfigure_layer"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +94,7 @@ class RuntimeConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
         for name, size in shape:
-            if not _is_int(size) or size < 1:
-                raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+            check_int(size, f"the size of mesh axis {name!r}", minimum=1)
         shape = tuple((name, int(size)) for name, size in shape)
         expert_axes = (self.expert_axes,) if isinstance(self.expert_axes, str) else tuple(self.expert_axes)
         if not expert_axes:
@@ -110,16 +105,13 @@ class RuntimeConfig:
         first = names.index(expert_axes[0])
         if tuple(names[first:first + len(expert_axes)]) != expert_axes:
             raise ValueError(f"expert axes {expert_axes} must be consecutive mesh axes in mesh order {names}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        check_int(self.top_k, "top_k", minimum=1, optional=True)
         cf = self.capacity_factor
         if cf is not None:  # None keeps the gate's default
             cf = check_capacity_factor(cf)
-        if self.adaptive_r is not None and (not _is_int(self.adaptive_r) or self.adaptive_r < 0):
-            raise ValueError(f"adaptive_r must be an integer >= 0 or None, got {self.adaptive_r!r}")
+        check_int(self.adaptive_r, "adaptive_r", minimum=0, optional=True)
         degree = self.a2a_ffn_overlap_degree
-        if not _is_int(degree) or degree < 1:
-            raise ValueError(f"a2a_ffn_overlap_degree must be an integer >= 1, got {degree!r}")
+        check_int(degree, "a2a_ffn_overlap_degree", minimum=1)
         if not isinstance(self.use_2dh, (bool, np.bool_)):
             raise ValueError(f"use_2dh must be a bool, got {self.use_2dh!r}")
         if self.use_2dh and len(expert_axes) != 2:
