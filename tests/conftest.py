@@ -37,3 +37,9 @@ def model():
 def prompts():
     """The qwen3_moe fixture's prompts [2, 12] (its expected.npz)."""
     return np.load(HF / "qwen3_moe" / "expected.npz")["input_ids"]
+
+
+def pytest_generate_tests(metafunc):
+    """Op test classes (`support.kernels.KernelTestBase`) run every test once per backend of their BACKENDS."""
+    if metafunc.cls is not None and "kernel_impl" in metafunc.fixturenames:
+        metafunc.parametrize("kernel_impl", metafunc.cls.BACKENDS)

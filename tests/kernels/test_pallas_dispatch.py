@@ -44,6 +44,8 @@ def test_grouped_rows_equal_tutel():
 
 
 class TestDispatch(KernelTestBase):
+    BACKENDS = ("xla", "interpret", "tpu_interpret")
+
     @pytest.mark.parametrize("tokens, experts, dim, k, capacity, dtype", [
         (37, 6, 40, 2, 9, jnp.float32),    # drops (capacity < load), dims not multiples of the blocks
         (50, 4, 24, 1, 20, jnp.bfloat16),  # k = 1, bf16, empty slots

@@ -31,6 +31,8 @@ def test_group_metadata_covers_every_row_once(sizes, rows, block):
 
 
 class TestGmm(KernelTestBase):
+    BACKENDS = ("xla", "interpret", "tpu_interpret")
+
     @pytest.mark.parametrize("rows, k, n, sizes, dtype", [
         (50, 40, 24, [10, 0, 17, 20], jnp.float32),  # empty group, rows past the sum, ragged dims
         (64, 32, 48, [0, 64, 0], jnp.float32),       # every row in one group

@@ -1,9 +1,10 @@
 """The shared test base of every pallas_kernels op (tokamax style).
 
-Every op test class derives from `KernelTestBase` and is parametrised over `IMPLEMENTATIONS`: "xla" (the
-reference through the op's dispatcher and custom VJPs) and "interpret" (the Pallas kernel through Pallas' CPU
-interpreter). No test needs a GPU. Interpret mode is slow: shapes stay small (T <= 256, K, N <= 256), every call
-is jitted once, and each test compiles few kernel variants.
+Every op test class derives from `KernelTestBase` and runs each test for every backend of its `BACKENDS`:
+"xla" (the reference through the op's dispatcher and custom VJPs), "interpret" (the Pallas Triton kernel through
+Pallas' CPU interpreter) and, for ops with a Mosaic TPU kernel, "tpu_interpret". No test needs a GPU. Interpret
+mode is slow: shapes stay small (T <= 256, K, N <= 256), every call is jitted once, and each test compiles few
+kernel variants.
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ def random_normal(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> ja
 
 
 class KernelTestBase:
-    """Base of every op test: `self.call(op, *args, **kw)` runs op under jit with the class's implementation."""
+    """Base of every op test: each test runs once per backend in `BACKENDS` (tests/conftest.py parametrizes
+    `kernel_impl` from it), and `self.call(op, *args, **kw)` runs op under jit with that implementation. An op
+    with a Mosaic TPU kernel adds "tpu_interpret" (the Mosaic kernel through Pallas' TPU interpreter)."""
 
+    #: the implementations every test of the class runs
+    BACKENDS: tuple[str, ...] = IMPLEMENTATIONS
     impl: str
 
-    @pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
-    def _implementation(self, request):
-        self.impl = request.param
+    @pytest.fixture(autouse=True)
+    def _implementation(self, kernel_impl):
+        self.impl = kernel_impl
 
     def call(self, op, *args, static: dict | None = None, **kwargs):
         """jit(op)(*args) with `implementation=self.impl`; `static` kwargs are closed over (not traced)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
+import safetensors.numpy
 
 from ..quant import weights as quant_weights
 from .hf_tables import attention_table, mlp_prefix
@@ -72,7 +72,7 @@ def save_pretrained(model: Any, path: str | os.PathLike) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in model.config.items() if k != "quantization_config"}
     _write_atomically(path / "model.safetensors",
-                      lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
+                      lambda tmp: safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
                                             metadata={"format": "pt"}))
     _write_atomically(path / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return path

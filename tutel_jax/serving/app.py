@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from ..models import from_pretrained
+from .. import models as tutel_models
 from .api_errors import APIError, error_body
 from .api_requests import ModelLimits, ParsedRequest, parse_body, parse_chat, parse_completion
 from .chat_template import TemplateLimits
@@ -200,7 +200,7 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
     path = Path(model_path)
     cfg = cfg or ServerConfig()
     if model is None:
-        model = from_pretrained(path, dtype=cfg.dtype, **cfg.execution.set_fields())
+        model = tutel_models.from_pretrained(path, dtype=cfg.dtype, **cfg.execution.set_fields())
     srv = Server(model, path, cfg)
 
     @asynccontextmanager

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..models import from_pretrained, memory_report
+from .. import models
 from ..native import NativeKernelError
 from . import generate
 from .tokenizer import eos_token_ids
@@ -156,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return ap.fail(e)
     try:
-        model = from_pretrained(args.checkpoint, progress=None, **knobs.set_fields())
+        model = models.from_pretrained(args.checkpoint, progress=None, **knobs.set_fields())
     except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
         return ap.fail(f"cannot load {args.checkpoint}: {e}")
     if model.spec.ffn.count("moe") and model.config.get("quantization_config"):
-        print(f"{model.spec.model_type}: {memory_report(model)}")
+        print(f"{model.spec.model_type}: {models.memory_report(model)}")
     try:
         ids, mask = _batch(prompts, model.spec.vocab_size)
     except ValueError as e:
