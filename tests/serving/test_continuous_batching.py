@@ -86,6 +86,18 @@ def test_greedy_equals_generate_when_admitted_at_any_step(family, model):
         assert req.tokens == ref[:n]
 
 
+def test_seeded_sampling_equals_generate(model):
+    """One sampler: row b of a seeded `generate` batch and `Request(seed, sample_id=b)` draw the same tokens
+    (the key of token n is fold_in(fold_in(key(seed), b), n) on both paths)."""
+    prompts = _prompts([7], seed=4, vocab=model.config["vocab_size"]) * 3
+    kw = dict(temperature=1.5, top_k=20, top_p=0.95)
+    offline = generate(model, np.asarray(prompts), 10, seed=11, **kw).tokens.tolist()
+    reqs = [Request(p, 10, seed=11, sample_id=b, **kw) for b, p in enumerate(prompts)]
+    _run(ContinuousBatcher(model, max_batch_size=4, max_len=32), [reqs])
+    assert [r.tokens for r in reqs] == offline
+    assert len({tuple(t) for t in offline}) == 3  # the same prompt three times: three different samples
+
+
 def test_request_admitted_mid_flight_finishes_first(model):
     long, short = Request(_prompts([5])[0], 40), Request(_prompts([4], seed=1)[0], 3)
     batcher = ContinuousBatcher(model, max_batch_size=3, max_len=64)

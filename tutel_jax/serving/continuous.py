@@ -49,7 +49,7 @@ import numpy as np
 
 from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
-from .generate import add_logit_bias, finite_rows, sample_rows
+from .generate import finite_rows, sample_step
 from .sampling import (MAX_LOGIT_BIAS, NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays,
                        model_context)
 
@@ -93,19 +93,12 @@ def prompt_bucket(length: int, max_len: int, minimum: int = 16) -> int:
     return min(max_len, max(minimum, 1 << (length - 1).bit_length()))
 
 
-def _row_keys(seeds: jax.Array, sample_ids: jax.Array, steps: jax.Array) -> jax.Array:
-    """One PRNG key per row [B]: fold_in(fold_in(key(seed), sample_id), step)."""
-    def one(seed, sid, step):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sid), step)
-    return jax.vmap(one)(seeds, sample_ids, steps)
-
-
 def _sample(logits: jax.Array, sampling: tuple) -> jax.Array:
-    """Next tokens [B] from logits [B, V]; sampling = (seeds, sample_ids, steps, temperature, top_k, top_p,
-    bias_ids, biases): each [B], the logit bias [B, K] (K = 0 when no row has one: the plain program)."""
+    """Next tokens [B] from logits [B, V] (`generate.sample_step`); sampling = (seeds, sample_ids, steps,
+    temperature, top_k, top_p, bias_ids, biases): each [B], the logit bias [B, K] (K = 0 when no row has one:
+    the plain program)."""
     seeds, sample_ids, steps, temperature, top_k, top_p, bias_ids, biases = sampling
-    logits = add_logit_bias(logits, (bias_ids, biases))
-    return sample_rows(logits, _row_keys(seeds, sample_ids, steps), temperature, top_k, top_p)
+    return sample_step(logits, steps, (seeds, sample_ids, temperature, top_k, top_p), (bias_ids, biases))
 
 
 def _prefill_body(apply, params, ids, lengths, rows, cache, sampling):

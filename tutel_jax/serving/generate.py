@@ -6,7 +6,9 @@ every attention, so a row's result equals that prompt run alone. The cache lengt
 (prompt columns + max_new_tokens, rounded up to `cache_multiple`), so the decode step compiles once.
 
 Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p; `logit_bias`
-({token id: bias in [-100, 100]}) is added to every step's logits before either.
+({token id: bias in [-100, 100]}) is added to every step's logits before either. The sampler is the one of
+continuous batching (`sample_step`): row b's token n uses the key fold_in(fold_in(key(seed), b), n), so
+`generate` and a `continuous.Request(seed=seed, sample_id=b)` sample alike.
 
 Sampling parameters are checked by `sampling.check_sampling` (the rules the server applies too): temperature
 finite and >= 0, top_p in (0, 1], top_k >= 0, max_new_tokens >= 1 and, when the model's config gives its
@@ -35,8 +37,8 @@ from ..models.layer_programs import ModelStep
 from ..models.layers import AttnContext
 from .sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays, model_context
 
-__all__ = ["GenerationResult", "NonFiniteLogitsError", "add_logit_bias", "finite_rows", "generate", "left_align", "sample_next",
-           "sample_rows"]
+__all__ = ["GenerationResult", "NonFiniteLogitsError", "add_logit_bias", "finite_rows", "generate", "left_align",
+           "row_keys", "sample_rows", "sample_step"]
 
 
 @dataclasses.dataclass
@@ -77,33 +79,14 @@ def left_align(input_ids: np.ndarray, attention_mask: np.ndarray | None, pad_tok
     return out, np.arange(T)[None, :] >= (T - lengths)[:, None], lengths
 
 
-def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None,
-                top_p: float | None) -> jax.Array:
-    """Next tokens [B] from logits [B, V]: argmax when temperature == 0, else a seeded sample of
-    softmax(logits / temperature) restricted to the top_k tokens and the top_p nucleus."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    neg = jnp.finfo(jnp.float32).min
-    if top_k is not None and top_k > 0:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if top_p is not None and top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, neg, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 top_p: jax.Array) -> jax.Array:
-    """`sample_next` with per-row parameters: next tokens [B] int32 from logits [B, V].
+    """The one sampler: next tokens [B] int32 from logits [B, V], each row with its own parameters.
 
-    keys [B] (one PRNG key per row), temperature [B] float (0: argmax), top_k [B] int (<= 0: off),
-    top_p [B] float (>= 1: off). A row's token depends only on its own logits, key and parameters (never on
-    the other rows), so a row can be reproduced from its seed whatever batch it runs in."""
+    keys [B] (one PRNG key per row, `row_keys`), temperature [B] float (0: argmax), top_k [B] int (<= 0: off),
+    top_p [B] float (>= 1: off): a sample of softmax(logits / temperature) restricted to the top_k tokens and
+    the top_p nucleus. A row's token depends only on its own logits, key and parameters (never on the other
+    rows), so a row can be reproduced from its seed whatever batch it runs in."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
@@ -126,6 +109,21 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
 
 
+def row_keys(seeds: jax.Array, sample_ids: jax.Array, steps: jax.Array) -> jax.Array:
+    """One PRNG key per row [B]: fold_in(fold_in(key(seed), sample_id), step)."""
+    def one(seed, sid, step):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sid), step)
+    return jax.vmap(one)(seeds, sample_ids, steps)
+
+
+def sample_step(logits: jax.Array, steps: jax.Array, sampling: tuple,
+                bias: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Next tokens [B] of one step: logits [B, V] plus the logit bias, sampled by `sample_rows` with the keys of
+    `row_keys` at `steps` [B]; sampling = (seeds, sample_ids, temperature, top_k, top_p), each [B]."""
+    seeds, sample_ids, temperature, top_k, top_p = sampling
+    return sample_rows(add_logit_bias(logits, bias), row_keys(seeds, sample_ids, steps), temperature, top_k, top_p)
+
+
 def finite_rows(logits: jax.Array) -> jax.Array:
     """[B] bool: whether each row of logits [B, V] is finite (one reduction; read back with the tokens)."""
     return jnp.isfinite(logits).all(axis=-1)
@@ -143,41 +141,43 @@ def add_logit_bias(logits: jax.Array, bias: tuple[jax.Array, jax.Array] | None) 
     return logits.astype(jnp.float32).at[rows, ids].add(vals)
 
 
-def _prefill_body(apply, params, ids, positions, key_valid, cache, key, sampling, bias=None):
-    """(tokens [B], finite [B], last logits [B, V], cache)."""
+def _prefill_body(apply, params, ids, positions, key_valid, cache, sampling, bias=None):
+    """Step 0: (tokens [B], finite [B], last logits [B, V], cache)."""
     ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
     logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((ids.shape[0],), ids.shape[1] - 1))
     last = logits[:, -1]
-    return sample_next(add_logit_bias(last, bias), key, *sampling), finite_rows(last), last, cache
+    steps = jnp.zeros((ids.shape[0],), jnp.int32)
+    return sample_step(last, steps, sampling, bias), finite_rows(last), last, cache
 
 
-def _decode_body(apply, params, tok, index, pad, key_valid, cache, key, sampling, bias=None):
-    """(tokens [B], finite [B], last logits [B, V], cache)."""
+def _decode_body(apply, params, tok, index, step, pad, key_valid, cache, sampling, bias=None):
+    """Decode step `step` (feeding tok at cache index `index`): (tokens [B], finite [B], last logits [B, V],
+    cache)."""
     positions = (index - pad)[:, None].astype(jnp.int32)
     logits, cache = apply(params, tok[:, None], AttnContext(positions, index, key_valid), cache)
     last = logits[:, -1]
-    return sample_next(add_logit_bias(last, bias), key, *sampling), finite_rows(last), last, cache
+    steps = jnp.full((tok.shape[0],), step, jnp.int32)
+    return sample_step(last, steps, sampling, bias), finite_rows(last), last, cache
 
 
-_prefill = ModelStep(_prefill_body, static_argnames=("apply", "sampling"))
-_decode = ModelStep(_decode_body, static_argnames=("apply", "sampling"))
+_prefill = ModelStep(_prefill_body, static_argnames=("apply",))
+_decode = ModelStep(_decode_body, static_argnames=("apply",))
 
 
-@functools.partial(jax.jit, static_argnames=("apply", "sampling"))
-def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, keys, sampling, bias=None):
+@functools.partial(jax.jit, static_argnames=("apply", "num_steps"))
+def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, sampling, num_steps, bias=None):
     """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], finite [B, N], logits [B, N, V])."""
     T = ids.shape[1]
-    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, keys[0], sampling, bias)
+    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, sampling, bias)
 
-    def step(carry, xs):
+    def step(carry, i):
         tok, cache = carry
-        i, key = xs
-        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, pad, key_valid, cache, key, sampling,
+        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, i, pad, key_valid, cache, sampling,
                                             bias)
         return (tok, cache), (tok, ok, last)
 
-    steps = jnp.arange(1, keys.shape[0], dtype=jnp.int32)
-    _, (toks, oks, lasts) = jax.lax.scan(step, (tok, cache), (steps, keys[1:]))
+    steps = jnp.arange(1, num_steps, dtype=jnp.int32)
+    _, (toks, oks, lasts) = jax.lax.scan(step, (tok, cache), steps)
     return (jnp.concatenate([tok[:, None], toks.T], axis=1), jnp.concatenate([ok[:, None], oks.T], axis=1),
             jnp.concatenate([last[:, None], jnp.swapaxes(lasts, 0, 1)], axis=1))
 
@@ -291,21 +291,23 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     key_valid = jnp.arange(L)[None, :] >= pad[:, None]  # padding slots; unwritten slots are masked causally
     positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
     apply = model.forward_fn
-    sampling = (params.temperature, params.top_k, params.top_p)
-    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    # row b samples token n with the key fold_in(fold_in(key(seed), b), n) (`row_keys`)
+    sampling = (jnp.full((B,), seed % (1 << 32), jnp.uint32), jnp.arange(B, dtype=jnp.int32),
+                jnp.full((B,), params.temperature, jnp.float32), jnp.full((B,), params.top_k or 0, jnp.int32),
+                jnp.full((B,), 1.0 if params.top_p is None else params.top_p, jnp.float32))
     ids_j, cache = jnp.asarray(ids, jnp.int32), model.init_cache(B, L)
     if on_device:
         tokens, ok, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache,
-                                                 keys, sampling, bias)
+                                                 sampling, max_new_tokens, bias)
         raw, logits = np.asarray(tokens, np.int32), (np.asarray(logits) if return_logits else None)
         used = np.arange(max_new_tokens)[None, :] < _mask_finished(raw, stops, limits, pad_token_id)[1][:, None]
         _check_finite(np.asarray(ok) | ~used)  # the steps after a row finished only pad the result
     else:
         def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
-            return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), pad, key_valid, cache,
-                           keys[i], sampling, bias)
+            return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), jnp.asarray(i, jnp.int32),
+                           pad, key_valid, cache, sampling, bias)
 
-        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, keys[0], sampling, bias)
+        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, sampling, bias)
         if stream_callback is None and len(stops) == 0 and max_new_tokens_per_row is None:
             raw, logits = _run_all(step, first, max_new_tokens, return_logits)
         else:
