@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["GatingResult", "gating_reference", "slot_positions_reference", "check_gating_args", "priority_order",
-           "SCORE_FNS"]
+           "group_limited", "normalize_weights", "SCORE_FNS"]
 
 SCORE_FNS = ("softmax", "sigmoid")
 
@@ -88,10 +88,14 @@ def slot_positions_reference(expert_ids: jax.Array, num_experts: int, priority_o
     return slots, counts
 
 
-def _group_limit_reference(sel: jax.Array, n_group: int, topk_group: int, fill: float) -> jax.Array:
+def group_limited(sel: jax.Array, n_group: int, topk_group: int, fill: float) -> jax.Array:
+    """DeepSeek-V3's group-limited selection scores: sel [S, E] with the experts of all but the `topk_group`
+    best of `n_group` contiguous groups (a group scores the sum of its two best, or its one expert) set to
+    `fill`."""
     num_tokens, num_experts = sel.shape
-    grouped = sel.reshape(num_tokens, n_group, num_experts // n_group)
-    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # sum of the two best per group
+    group_size = num_experts // n_group
+    grouped = sel.reshape(num_tokens, n_group, group_size)
+    group_scores = jnp.sum(lax.top_k(grouped, min(2, group_size))[0], axis=-1)  # sum of the two best per group
     _, keep = lax.top_k(group_scores, topk_group)
     group_mask = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], keep].set(True)
     mask = jnp.repeat(group_mask, num_experts // n_group, axis=1)
@@ -123,24 +127,28 @@ def gating_reference(
     scores = jax.nn.softmax(x, axis=1) if score_fn == "softmax" else jax.nn.sigmoid(x)
     sel = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
     if n_group > 1:
-        sel = _group_limit_reference(sel, n_group, topk_group, group_fill_value)
+        sel = group_limited(sel, n_group, topk_group, group_fill_value)
     top_sel, top_ids = lax.top_k(sel, k)  # descending, ties to the lower index
     expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]
     # without a bias or group limit the selected values ARE the scores (bit-identical to top_k_routing)
     weights = top_sel.T if sel is scores else jnp.take_along_axis(scores, top_ids, axis=1).T
-    weights = _normalize(weights, k, score_fn, normalize, routed_scaling_factor)
+    weights = normalize_weights(weights, score_fn, normalize, routed_scaling_factor)
     priority = priority_order(scores) if batch_prioritized_routing else None
     locations, counts = slot_positions_reference(expert_ids, num_experts, priority)
     return GatingResult(expert_ids, locations, weights, counts, scores)
 
 
-def _normalize(weights: jax.Array, k: int, score_fn: str, normalize: bool, scale: float) -> jax.Array:
-    if normalize and score_fn == "softmax" and k > 1:  # Tutel normalize_gate
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=0, keepdims=True), jnp.finfo(jnp.float32).eps)
+def normalize_weights(weights: jax.Array, score_fn: str, normalize: bool, scale: float = 1.0,
+                      axis: int = 0) -> jax.Array:
+    """The combine weights of the k chosen experts (along `axis` of weights, e.g. [k, S]): with `normalize`,
+    Tutel's normalize_gate for softmax scores (divided by max(sum, eps) when k > 1) or HF's norm_topk_prob for
+    sigmoid scores (divided by sum + 1e-20); then times `scale` (routed_scaling_factor)."""
+    if normalize and score_fn == "softmax" and weights.shape[axis] > 1:  # Tutel normalize_gate
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=axis, keepdims=True), jnp.finfo(weights.dtype).eps)
     elif normalize and score_fn == "sigmoid":  # HF norm_topk_prob
-        weights = weights / (jnp.sum(weights, axis=0, keepdims=True) + 1e-20)
+        weights = weights / (jnp.sum(weights, axis=axis, keepdims=True) + 1e-20)
     if scale != 1.0:
-        weights = weights * jnp.float32(scale)
+        weights = weights * jnp.asarray(scale, weights.dtype)
     return weights
 
 

@@ -24,13 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from pallas_kernels.quant import E2M1_LUT, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 __all__ = ["E2M1_LUT", "QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
            "is_quantized"]
-
-E2M1_LUT = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
 
 def _is_float(dtype: np.dtype) -> bool:
     """NumPy floats and ml_dtypes floats (bfloat16, float8_*), whose dtype kind is not 'f'."""

@@ -14,7 +14,7 @@ whether required), with the size limits below as upper bounds, then the family's
 
 On-disk names are HF's: decoder layer i's modules sit under `model.layers.{i}.`, its attention under
 `self_attn.` (names: `hf_tables.attention_table`), its FFN (MoE block or dense MLP) under `Family.ffn_prefix`;
-the names in `router_tensors`, `expert_names`, `fused_experts` and `SharedExperts` are relative to that prefix.
+the names in `router_tensors`, `expert_names`, `fused_experts` and `SharedExpertTensors` are relative to that prefix.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..validation import Field
 
-__all__ = ["Family", "SharedExperts", "register_family", "get_family", "family_of", "family_names",
+__all__ = ["Family", "SharedExpertTensors", "register_family", "get_family", "family_of", "family_names",
            "config_flag", "constant", "every_layer", "moe_hidden_size", "COMMON_FIELDS", "MOE_WIDTH_KEYS",
            "EXPERT_COUNT_KEYS", "GROUPED_ROUTER_FIELDS", "SPARSE_STEP_FIELDS", "MAX_LAYERS", "MAX_HEADS",
            "MAX_EXPERTS", "MAX_HEAD_DIM", "MAX_WIDTH", "MAX_VOCAB", "MAX_POSITIONS"]
@@ -97,8 +97,8 @@ SPARSE_STEP_FIELDS: tuple[Field, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
-class SharedExperts:
-    """A block's always-on dense SwiGLU expert(s), added to every token's routed output.
+class SharedExpertTensors:
+    """Where a checkpoint keeps a block's always-on dense SwiGLU expert(s) (the layer's `experts.SharedExperts`).
 
     prefix: under the FFN prefix, the module holding `{gate,up,down}_proj.weight` (e.g. 'shared_experts.').
     hidden_size: its intermediate width (DeepSeek: moe_intermediate_size x n_shared_experts).
@@ -190,7 +190,7 @@ class Family:
       fused_experts: None (per-expert layout), or the tensors under `experts.` holding all experts at once,
         taken as stored (GPT-OSS); names ending in '_bias' are biases, the others weights (which may be
         quantized).
-      shared_experts: config -> the block's `SharedExperts`, or None.
+      shared_experts: config -> the block's `SharedExpertTensors`, or None.
     """
 
     name: str
@@ -211,7 +211,7 @@ class Family:
     experts: Callable[[Config], dict] = _swiglu_experts
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     fused_experts: tuple[str, ...] | None = None
-    shared_experts: Callable[[Config], SharedExperts | None] = _no_shared_experts
+    shared_experts: Callable[[Config], SharedExpertTensors | None] = _no_shared_experts
 
     def router_tensor_names(self) -> dict[str, str]:
         """Every gate parameter name -> on-disk name (required and optional)."""

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.gating.reference import normalize_weights
 
 from ..core import backends
 from ..core.losses import gshard_loss, load_importance_loss, router_z_loss, sequence_aux_loss, switch_load_loss
@@ -189,9 +190,7 @@ def _tutel_choices(scores: jax.Array, expert_ids: jax.Array, normalize_gate: boo
     """Tutel's top-k weights [k, S] for the given experts ids [k, S]: the scores [S, E] there, divided by
     max(sum, eps) for k > 1 with `normalize_gate` (as `top_k_routing`); probs are the scores."""
     gates = jnp.take_along_axis(scores, expert_ids.T, axis=1).T  # [k, S]
-    if expert_ids.shape[0] > 1 and normalize_gate:
-        gates = gates / jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
-    return RouterChoices(expert_ids, gates, scores)
+    return RouterChoices(expert_ids, normalize_weights(gates, "softmax", normalize_gate), scores)
 
 
 def kernel_choices(

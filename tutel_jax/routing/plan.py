@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from pallas_kernels.gating import slot_positions_reference as slot_positions
+from pallas_kernels.gating.reference import normalize_weights
 
 __all__ = ["RoutingPlan", "top_k_routing", "plan_from_choices", "static_capacity", "align_capacity", "slot_positions"]
 
@@ -159,9 +160,7 @@ def top_k_routing(
     gates = top_scores.T  # [k, S]
     if valid is not None:
         gates = jnp.where(valid[None, :], gates, 0)
-    if top_k > 1 and normalize_gate:
-        denom = jnp.maximum(jnp.sum(gates, axis=0, keepdims=True), jnp.finfo(gates.dtype).eps)
-        gates = gates / denom
+    gates = normalize_weights(gates, "softmax", normalize_gate)
     priority = jnp.max(scores, axis=1) if batch_prioritized_routing else None
     return plan_from_choices(
         expert_ids, gates, num_experts, capacity_factor, priority=priority, alignment=alignment, valid=valid,

@@ -28,10 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from pallas_kernels.gating.reference import group_limited, normalize_weights
 
+from ..validation import check_int
 from .gates import GATE_TYPES, Gate, torch_linear_init
 from .plan import RoutingPlan, align_capacity
-from ..validation import check_int
 
 __all__ = [
     "RouterChoices", "softmax_topk", "softmax_choices", "topk_softmax", "sigmoid_group_topk", "sigmoid_choices",
@@ -139,22 +140,16 @@ def sigmoid_group_topk(
       routed_scaling_factor: multiplies the final weights.
       group_mask_value: selection score given to experts outside the kept groups.
     """
-    num_tokens, num_experts = logits.shape
+    num_experts = logits.shape[1]
     k = _check_k(k, num_experts)
     _check_groups(n_group, topk_group, num_experts)
-    group_size = num_experts // n_group
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     biased = scores
     if correction_bias is not None:
         biased = scores + jax.lax.stop_gradient(correction_bias.astype(jnp.float32))[None, :]
     biased = jax.lax.stop_gradient(biased)
     if n_group > 1:
-        grouped = biased.reshape(num_tokens, n_group, group_size)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, group_size))[0], axis=-1)  # [S, G]
-        _, keep = jax.lax.top_k(group_scores, topk_group)  # [S, topk_group]
-        group_mask = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], keep].set(True)
-        expert_mask = jnp.repeat(group_mask, group_size, axis=1)
-        biased = jnp.where(expert_mask, biased, jnp.float32(group_mask_value))
+        biased = group_limited(biased, n_group, topk_group, group_mask_value)
     _, ids = jax.lax.top_k(biased, k)
     weights = _sigmoid_weights(scores, ids, normalize, routed_scaling_factor)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -180,10 +175,8 @@ def _sigmoid_weights(scores: jax.Array, ids: jax.Array, normalize: bool, routed_
                      ) -> jax.Array:
     """[S, k] combine weights: the unbiased scores [S, E] of the chosen experts ids [S, k], divided by
     `sum + 1e-20` when `normalize`, times `routed_scaling_factor`."""
-    weights = jnp.take_along_axis(scores, ids, axis=1)
-    if normalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * routed_scaling_factor
+    return normalize_weights(jnp.take_along_axis(scores, ids, axis=1), "sigmoid", normalize, routed_scaling_factor,
+                             axis=-1)
 
 
 def _check_groups(n_group: int, topk_group: int, num_experts: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from ...validation import Field
-from ..family import (GROUPED_ROUTER_FIELDS, MAX_HEAD_DIM, MAX_WIDTH, Family, SharedExperts, moe_hidden_size,
+from ..family import (GROUPED_ROUTER_FIELDS, MAX_HEAD_DIM, MAX_WIDTH, Family, SharedExpertTensors, moe_hidden_size,
                       register_family)
 
 __all__ = ["DEEPSEEK_V3", "dense_prefix_layers", "grouped_sigmoid_router", "shared_experts", "CORRECTION_BIAS",
@@ -38,10 +38,10 @@ def grouped_sigmoid_router(config, found) -> dict:
             "correction_bias": "e_score_correction_bias" in found}
 
 
-def shared_experts(config) -> SharedExperts | None:
+def shared_experts(config) -> SharedExpertTensors | None:
     """n_shared_experts ungated shared experts as one SwiGLU of n times the routed width."""
     n = int(config.get("n_shared_experts") or 0)
-    return SharedExperts("shared_experts.", moe_hidden_size(config) * n) if n else None
+    return SharedExpertTensors("shared_experts.", moe_hidden_size(config) * n) if n else None
 
 
 #: multi-head latent attention's config.json keys (q_lora_rank null: a plain q_proj)

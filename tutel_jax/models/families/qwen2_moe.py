@@ -8,15 +8,15 @@ shared_expert_intermediate_size, scaled per token by sigmoid(x @ `mlp.shared_exp
 from __future__ import annotations
 
 from ...validation import Field
-from ..family import MAX_WIDTH, SPARSE_STEP_FIELDS, Family, SharedExperts, config_flag, register_family
+from ..family import MAX_WIDTH, SPARSE_STEP_FIELDS, Family, SharedExpertTensors, config_flag, register_family
 from .qwen3_moe import softmax_topk_router, sparse_step_layers
 
 __all__ = ["QWEN2_MOE"]
 
 
-def _shared_expert(config) -> SharedExperts | None:
+def _shared_expert(config) -> SharedExpertTensors | None:
     size = config.get("shared_expert_intermediate_size")
-    return SharedExperts("shared_expert.", int(size), gate="shared_expert_gate.weight") if size else None
+    return SharedExpertTensors("shared_expert.", int(size), gate="shared_expert_gate.weight") if size else None
 
 
 QWEN2_MOE = register_family(Family(name="qwen2_moe", router=softmax_topk_router, moe_layers=sparse_step_layers,
