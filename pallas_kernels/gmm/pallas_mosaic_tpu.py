@@ -42,10 +42,13 @@ from .._manual import require_manual_axes, run_manual
 from .._select import NotSupported
 from .reference import clamp_group_sizes
 
-__all__ = ["TPU_DTYPES", "MAX_TILE", "default_tpu_tiling", "check_supported", "gmm_tpu", "tgmm_tpu"]
+__all__ = ["TPU_DTYPES", "MAX_TILE", "GMM_SCOPE", "TGMM_SCOPE", "default_tpu_tiling", "check_supported", "gmm_tpu",
+           "tgmm_tpu"]
 
 #: input and output dtypes the megablox kernels accept
 TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+#: named scopes around the megablox calls: the Mosaic custom calls' op names say they are the project's kernels
+GMM_SCOPE, TGMM_SCOPE = "tutel_tpu_gmm", "tutel_tpu_tgmm"
 #: largest K / N tile (a multiple of 128); smaller dims take the whole dim as one tile
 MAX_TILE = 512
 #: row tile (megablox's default); fewer rows take the row count rounded up to ROW_ALIGN
@@ -131,7 +134,8 @@ def gmm_tpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose
         return _megablox().gmm(_pad_rows(lhs, padded), rhs, sizes, preferred_element_type=out_dtype,
                                tiling=(tm, tk, tn), transpose_rhs=bool(transpose_rhs), interpret=interpret)
 
-    out = run_manual(call, lhs, rhs, sizes)[:num_rows]
+    with jax.named_scope(GMM_SCOPE):
+        out = run_manual(call, lhs, rhs, sizes)[:num_rows]
     # megablox leaves the row tiles no group owns unwritten
     owned = jnp.arange(num_rows, dtype=jnp.int32)[:, None] < total
     return jnp.where(owned, out, jnp.zeros((), out_dtype))
@@ -169,4 +173,5 @@ def tgmm_tpu(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, num_gro
                                 preferred_element_type=out_dtype, tiling=(tm, tk, tn),
                                 num_actual_groups=num_groups, interpret=interpret)
 
-    return run_manual(call, lhs, grad, sizes)
+    with jax.named_scope(TGMM_SCOPE):
+        return run_manual(call, lhs, grad, sizes)

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
+from tutel_jax.compile.report import kernel_calls
 
 #: topology name -> device kind libtpu reports (v5e is "v5e:<x>x<y>"; "v5litepod" spellings are rejected)
 TOPOLOGIES = {"v5p:2x2x2": "TPU v5", "v5e:2x4": "TPU v5 lite"}
@@ -113,6 +114,9 @@ def test_gradients_compile_to_mosaic(mesh):
         text = jax.jit(fn).lower(*args).compile().as_text()
     # forward: encode, gmm, decode; backward: encode (d out), gmm (d buf), tgmm (d w1), decode (d x)
     assert _pallas_kernels(text) >= 7, _pallas_kernels(text)
+    calls = kernel_calls(text)  # as `tutel-jax compile` names them: every Mosaic call is the project's
+    assert calls.get("tutel_tpu_gmm") == 2 and calls.get("tutel_tpu_tgmm") == 1, calls
+    assert all(name.startswith("tutel_") for name in calls), calls
 
 
 def test_outside_shard_map_auto_falls_back_to_xla(mesh):

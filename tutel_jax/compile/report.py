@@ -21,6 +21,8 @@ COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "coll
 _KERNEL_TARGETS = {"__gpu$xla.gpu.triton": "triton", "tpu_custom_call": "mosaic", "mosaic_gpu": "mosaic_gpu"}
 #: the project's kernels are named tutel_* (`pallas_kernels`); other Pallas calls are XLA's own (e.g. ragged-dot)
 PROJECT_PREFIX = "tutel_"
+#: the wrappers JAX's transformations put around a scope's name in op_name metadata
+_TRANSFORMS = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -31,8 +33,9 @@ def gib(n: float) -> str:
 
 def kernel_calls(hlo: str) -> dict[str, int]:
     """{kernel name: calls} of the Pallas kernels in an HLO text: custom calls to Triton (GPU) or Mosaic (TPU),
-    named by the op that made them (`.../tutel_gmm/pallas_call` -> 'tutel_gmm'; the target's name when the
-    metadata has none)."""
+    named by the op that made them (`.../tutel_gmm/pallas_call` -> 'tutel_gmm'; the innermost project scope
+    around a library's kernel, `.../tutel_tpu_gmm/jit(gmm)/pallas_call` -> 'tutel_tpu_gmm'; the target's name
+    when the metadata has none)."""
     out: collections.Counter = collections.Counter()
     for line in hlo.splitlines():
         m = _CUSTOM_CALL.search(line)
@@ -42,7 +45,9 @@ def kernel_calls(hlo: str) -> dict[str, int]:
         path = op.group(1).split("/") if op else []
         while path and path[-1].startswith("pallas_call"):
             path.pop()
-        out[path[-1] if path else _KERNEL_TARGETS[m.group(1)]] += 1
+        path = [_TRANSFORMS.sub("", p) for p in path]  # 'transpose(jvp(tutel_gmm))' -> 'tutel_gmm'
+        ours = [p for p in path if p.startswith(PROJECT_PREFIX)]
+        out[ours[-1] if ours else path[-1] if path else _KERNEL_TARGETS[m.group(1)]] += 1
     return dict(sorted(out.items()))
 
 
