@@ -11,7 +11,6 @@ import pickle
 import struct
 import tracemalloc
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np

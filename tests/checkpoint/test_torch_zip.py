@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint import torch_zip, torch_zip_write
+from tutel_jax.checkpoint import torch_zip_write
 from tutel_jax.checkpoint.torch_zip import (CheckpointFormatError, UnsafeCheckpointError, load_torch_file,
                                             save_torch_file)
 from support.paths import TUTEL

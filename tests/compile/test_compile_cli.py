@@ -8,8 +8,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import targets
 from tutel_jax.layer import execution
 from tutel_jax import init_params, make_config, moe_apply
 
