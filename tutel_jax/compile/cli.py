@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,10 +124,8 @@ def _dtype(config: dict, name: str | None) -> str:
 
 def _cpu_only() -> None:
     """Compile for the target, never for (or on) a local accelerator: JAX's own backends are the CPU only (the
-    GPU / TPU compilers are reached through the topology). jax reads JAX_PLATFORMS when it is imported."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if "jax" in sys.modules:
-        jax.config.update("jax_platforms", "cpu")
+    GPU / TPU compilers are reached through the topology; JAX starts its backends on first use, after this)."""
+    jax.config.update("jax_platforms", "cpu")
 
 
 def _run(argv: list[str]) -> int:

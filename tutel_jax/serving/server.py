@@ -151,8 +151,7 @@ def main(argv=None) -> int:
     problem = _address_problem(a.host, a.port)
     if problem:  # before the (long) load
         return p.fail(problem)
-    # force: a dependency imported earlier (absl, through orbax) may have put its own handler on the root logger
-    logging.basicConfig(level=a.log_level.upper(), force=True)
+    logging.basicConfig(level=a.log_level.upper())
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
                        max_tokens_limit=a.max_tokens, model_name=a.model_name,
