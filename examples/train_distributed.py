@@ -292,6 +292,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params  # noqa: E402
+from tutel_jax.parallel.local_launch import dump_stacks_on_signal  # noqa: E402
 from tutel_jax.parallel.failures import PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers, stopped_message
 
 
@@ -302,6 +303,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     """Calls jax.distributed.initialize when several processes take part (before any other JAX call)."""
     if not is_multi_process(args):
         return
+    dump_stacks_on_signal()  # a launcher's deadline shows where a hung process waited
     # gloo is JAX 0.10's default for CPU cross-process collectives; set it explicitly for older versions.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `tutel_jax` importable fr
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tutel_jax.layer import execution  # noqa: E402
+from tutel_jax.parallel.local_launch import dump_stacks_on_signal, free_port, run_processes  # noqa: E402
 from tutel_jax.cli_args import finite_float, int_at_least, positive_float, set_host_device_count  # noqa: E402
 
 DEFAULT_DEVICES = 8
@@ -137,7 +138,6 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Runs this script as `--num-processes` children on 127.0.0.1; relays process 0's output.
 
     Every child is killed after `--timeout` seconds or as soon as one of them fails, so nothing hangs."""
-    from tutel_jax.parallel.local_launch import free_port, run_processes
     address = f"127.0.0.1:{free_port()}"
     script = str(Path(__file__).resolve())
     commands = [[sys.executable, script, *argv, "--process-id", str(i), "--coordinator", address]
@@ -150,6 +150,9 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if failed:
         return failed[0][1].returncode
     if any(r.killed for r in results):
+        for i, r in enumerate(results):
+            if i != 0:  # process 0's output (its stack dump included) went to this terminal already
+                print(f"[process {i}] at the deadline:\n{r.output[-4000:]}", file=sys.stderr)
         print(f"error: the processes did not finish within --timeout {args.timeout:g} s; stopped them",
               file=sys.stderr)
         return 124
@@ -471,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_host_device_count(args.devices // args.num_processes)
     import jax
     if args.num_processes > 1:
+        dump_stacks_on_signal()  # the launcher's deadline shows where a hung process waited
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=120)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,11 +83,17 @@ def _child_env() -> dict[str, str]:
 def test_two_processes_give_the_loss_curve_of_one(runs, tmp_path):
     args = COMMON  # the uninterrupted run's settings, layout switch included (checkpoints aside)
     single = runs["whole"]
-    log = tmp_path / "two.jsonl"
-    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--num-processes", "2", "--timeout",
-                           str(DEADLINE_S - 30), "--log", str(log)], env=_child_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=DEADLINE_S)
-    assert done.returncode == 0, done.stderr[-4000:]
+    hangs = []
+    for attempt in range(2):  # one hang (once in CI, cause unknown) is reported with its stacks and run again
+        log = tmp_path / f"two{attempt}.jsonl"
+        done = subprocess.run([sys.executable, str(SCRIPT), *args, "--num-processes", "2", "--timeout",
+                               str(DEADLINE_S - 30), "--log", str(log)], env=_child_env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+        if done.returncode != 124:
+            break
+        hangs.append(done.stderr[-12000:])
+        warnings.warn(f"the two-process run hung (attempt {attempt + 1}); the processes' stacks:\n{hangs[-1]}")
+    assert done.returncode == 0, done.stderr[-12000:]
     two = _losses(log)
     assert sorted(two) == sorted(single["losses"])
     # the same global batches, mesh order and per-device work; only cross-process reductions may round apart

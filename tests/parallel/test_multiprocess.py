@@ -212,3 +212,15 @@ def test_supervisor_names_the_stopped_process(capsys) -> None:
     assert capsys.readouterr().err == "[process 0] error: terminated by SIGABRT during step 2\n"
     assert example.explain_child_failure(1, {"process": "0"}, "Traceback ...") == 1
     assert capsys.readouterr().err == ""
+
+
+def test_a_hung_child_prints_its_stacks_before_it_is_killed() -> None:
+    code = ("import time\nfrom tutel_jax.parallel.local_launch import dump_stacks_on_signal\n"
+            "dump_stacks_on_signal()\nprint('ready', flush=True)\n"
+            "def wait_for_a_peer():\n    time.sleep(600)\nwait_for_a_peer()\n")
+    start = time.monotonic()
+    (result,) = run_processes([[sys.executable, "-c", code]], timeout=8.0, env=child_env(), cwd=REPO)
+    assert time.monotonic() - start < 30
+    assert result.killed and result.returncode is None
+    assert "ready" in result.output
+    assert "Current thread" in result.output and "in wait_for_a_peer" in result.output, result.output

@@ -2,24 +2,37 @@
 
 `run_processes` starts every command at once and waits for them, and kills whatever is still running at the
 deadline (or, with `stop_on_failure`, as soon as one of them fails), in a `finally`: a hung collective never
-hangs the caller. Output goes to temporary files rather than pipes, so a chatty child can never block on a full
-pipe. The module itself uses only the standard library.
+hangs the caller. A child that called `dump_stacks_on_signal()` first prints every thread's Python stack when the
+deadline passes, so the output of a hung job shows where each process waited. Output goes to temporary files
+rather than pipes, so a chatty child can never block on a full pipe. The module itself uses only the standard
+library.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 from typing import Mapping, Sequence
 
-__all__ = ["ProcessResult", "free_port", "child_env", "run_processes"]
+__all__ = ["ProcessResult", "free_port", "child_env", "run_processes", "dump_stacks_on_signal"]
 
 # Cluster variables a child must not inherit: each one is told its place by its arguments.
 _CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+# Sent to the children still running at the deadline, before they are killed.
+STACK_SIGNAL = signal.SIGUSR1
+_STACK_WAIT_S = 3.0
+
+
+def dump_stacks_on_signal() -> None:
+    """In a child: print every thread's Python stack to stderr on STACK_SIGNAL (run_processes sends it to the
+    children still running at its deadline, then kills them)."""
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,6 +99,11 @@ def run_processes(commands: Sequence[Sequence[str]], *, timeout: float, env: Map
                 break
             time.sleep(poll_s)
     finally:
+        running = [proc for proc in procs if proc.poll() is None]
+        if running and time.monotonic() >= deadline:  # a hang: where is each process waiting?
+            for proc in running:
+                proc.send_signal(STACK_SIGNAL)
+            time.sleep(_STACK_WAIT_S)
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
