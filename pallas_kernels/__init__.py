@@ -11,7 +11,7 @@ signature `op(..., implementation="auto", config=None)`. The package depends on 
 | `gating`, `slot_positions` | gating/ | softmax/sigmoid(+bias, group-limited) -> top-k -> Tutel slots |
 | `encode`, `decode`, `permute`, `unpermute` | dispatch/ | index gathers with custom VJPs |
 | `gmm`, `tgmm` | gmm/ | `lax.ragged_dot` (custom VJP: d lhs = gmm, d rhs = tgmm) |
-| `quant_matmul`, `quant_gmm` | quant/ | dequantize (quant/formats.py) then float32 matmul |
+| `quant_matmul`, `quant_gmm` | quant/ | dequantize (quant/formats/) then float32 matmul |
 
 `implementation`: "auto" (the kernel of the platform the program is compiled for: Triton on GPUs, Mosaic on
 TPUs where the op has one, with the XLA reference as fallback; the reference on CPUs; see `_select.py`;

@@ -3,7 +3,7 @@
     quant_matmul(x[M, K], w[N, K] quantized) -> [M, N] = x @ dequant(w).T            (dense layers, decode)
     quant_gmm(x[T, K], w[G, N, K] quantized, group_sizes[G]) -> [T, N]               (MoE experts, rows by expert)
 
-Weights keep the HF [out, in] layout (formats.py). Semantics: reference.py. `implementation` picks the backend
+Weights keep the HF [out, in] layout (formats/). Semantics: reference.py. `implementation` picks the backend
 (`_select.choose`): "xla" (the reference), "pallas" / "interpret" (pallas_triton.py: the grouped-matmul kernel
 with a weight-tile loader per format), "tpu" / "tpu_interpret" (quant_gmm: the Mosaic kernel of
 pallas_mosaic_tpu.py, which dequantizes in VMEM).

@@ -4,8 +4,9 @@
 
 Semantics are those of `reference.quant_gmm_reference`: rows of x are sorted by group, the rows of group g
 are multiplied by dequant(w)[g].T, rows past sum(group_sizes) are zeros, a group extending past T is cut at T.
-Formats (formats.py): FP8 block (`Fp8BlockWeight`), MXFP4 (`Mxfp4Weight`), NVFP4 (`Nvfp4Weight`), any N and K the
-format allows (K % 32 == 0 for MXFP4, K % 16 == 0 for NVFP4, any K for FP8 block).
+Formats (formats/, each with its operands, per-tile accumulation and VMEM estimate): FP8 block
+(`Fp8BlockWeight`), MXFP4 (`Mxfp4Weight`), NVFP4 (`Nvfp4Weight`), any N and K the format allows (K % 32 == 0
+for MXFP4, K % 16 == 0 for NVFP4, any K for FP8 block).
 
 Schedule. XLA builds a static-length list of work items (group, row tile) like `gmm.pallas_triton.group_metadata`: every row
 tile of tm rows that a group overlaps, in row order, then a pseudo group owning the rows past the last group
@@ -28,8 +29,8 @@ make each step stream a large weight tile; the kernel loops over K in static chu
     and the float32 partial product is multiplied per output column by that block's scale (the scale is constant
     over the chunk), so weights are never rounded after scaling.
   - MXFP4: per 512 columns, the packed bytes become two E2M1 nibble planes (integer shifts and masks, then
-    float32 bit patterns, `quant.e2m1_to_f32`), times 2**(s - 127) repeated over each 32-column block
-    (`quant.e8m0_to_f32`); each value has at most 2 significant bits: exact in bfloat16. Two dots (even
+    float32 bit patterns, `e2m1_to_f32`), times 2**(s - 127) repeated over each 32-column block
+    (`e8m0_to_f32`); each value has at most 2 significant bits: exact in bfloat16. Two dots (even
     columns with the low nibbles, odd with the high ones). The scales are repeated over their columns by a
     bfloat16 dot with a 0/1 matrix (the MXU broadcasts across lanes far more cheaply than Mosaic's lane
     shuffles): exact for every normal scale; s = 0 (2**-127, a subnormal) may flush to zero on the MXU, and
@@ -69,8 +70,8 @@ from .._manual import require_manual_axes, run_manual
 from .._select import NotSupported
 from .._util import cdiv
 from ..gmm.pallas_mosaic_tpu import TPU_DTYPES
-from .formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e2m1_to_f32,
-                      e8m0_to_f32)
+from .formats import FORMATS, QuantFormat, format_of
+from .formats._tpu_tiles import round_up
 
 __all__ = ["quant_gmm_tpu", "check_supported", "default_tiling", "vmem_bytes", "work_items", "VMEM_BUDGET",
            "VMEM_LIMIT", "KERNEL_NAME"]
@@ -81,65 +82,46 @@ KERNEL_NAME = "tutel_tpu_quant_gmm"
 VMEM_BUDGET = 32 << 20
 #: Mosaic's scoped-VMEM limit requested for the kernel (v5e / v5p / v6e cores have 95 MiB or more)
 VMEM_LIMIT = 48 << 20
-#: K columns dequantized per step of the in-kernel K loop (FP4 formats; FP8 goes by its 128-column blocks)
-CHUNK_K = 512
 MAX_ROW_TILE, MIN_ROW_TILE = 128, 16
 TILE_N = (512, 256, 128)
 
 
-def _format(w: Any) -> str:
-    if isinstance(w, Fp8BlockWeight):
-        return "fp8_block"
-    if isinstance(w, Mxfp4Weight):
-        return "mxfp4"
-    if isinstance(w, Nvfp4Weight):
-        return "nvfp4"
-    raise NotSupported(f"the TPU quantized grouped matmul takes Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got "
-                       f"{type(w).__name__}")
+def _format(w: Any) -> QuantFormat:
+    fmt = format_of(w)
+    if fmt is None:
+        raise NotSupported(f"the TPU quantized grouped matmul takes "
+                           f"{', '.join(f.container.__name__ for f in FORMATS.values())}, got {type(w).__name__}")
+    return fmt
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def vmem_bytes(fmt: str, tm: int, tn: int, k_dim: int, x_itemsize: int, out_itemsize: int) -> int:
+def vmem_bytes(fmt: QuantFormat, tm: int, tn: int, k_dim: int, x_itemsize: int, out_itemsize: int) -> int:
     """Estimated VMEM of one grid step: double-buffered x / weight / scale / output blocks (lane dims padded to
-    128, sublane dims to 32 for bytes) plus the float32 accumulator and the temporaries of one K chunk."""
-    k_lanes = _round_up(k_dim, 128)
-    tn_bytes = _round_up(tn, 32)
-    if fmt == "fp8_block":
-        weight = tn_bytes * k_lanes
-        scale = _round_up(cdiv(k_dim, FP8_BLOCK), 8) * _round_up(tn, 128) * 4
-        temps = 4 * tn * FP8_BLOCK * 4
-    else:
-        per_scale = MXFP4_BLOCK if fmt == "mxfp4" else NVFP4_BLOCK
-        weight = tn_bytes * _round_up(k_dim // 2, 128)
-        scale = tn_bytes * _round_up(k_dim // per_scale, 128)
-        # the scale rows as float32, and a chunk's codes / values / repeated scales
-        temps = tn * _round_up(k_dim // per_scale, 128) * 4 + 8 * tn * (CHUNK_K // 2) * 4
-    x = tm * k_lanes * x_itemsize  # FP4: two halves of K / 2 columns
-    out = tm * _round_up(tn, 128) * out_itemsize
-    return 2 * (x + weight + scale + out) + temps + 2 * tm * _round_up(tn, 128) * 4
+    128, sublane dims to 32 for bytes; the format's `tpu.vmem`) plus the float32 accumulator and the format's
+    temporaries."""
+    weight, scale, temps = fmt.tpu.vmem(tm, tn, k_dim)
+    x = tm * round_up(k_dim, 128) * x_itemsize  # FP4: two halves of K / 2 columns
+    out = tm * round_up(tn, 128) * out_itemsize
+    return 2 * (x + weight + scale + out) + temps + 2 * tm * round_up(tn, 128) * 4
 
 
-def default_tiling(fmt: str, num_rows: int, k_dim: int, n_dim: int, num_groups: int, x_dtype: Any,
+def default_tiling(fmt: QuantFormat, num_rows: int, k_dim: int, n_dim: int, num_groups: int, x_dtype: Any,
                    out_dtype: Any) -> tuple[int, int]:
     """(tm, tn) for a call (see the module docstring); raises NotSupported when nothing fits VMEM_BUDGET."""
     x_size, out_size = jnp.dtype(x_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     avg = cdiv(max(num_rows, 1), max(num_groups, 1))
     tm = min(MAX_ROW_TILE, max(MIN_ROW_TILE, _pow2_at_least(avg)))
     tm = num_rows if tm >= num_rows else tm  # a block of all rows is legal for any T
-    tns = [n_dim] if n_dim <= TILE_N[-1] else [t for t in TILE_N if t <= _round_up(n_dim, 128)]
+    tns = [n_dim] if n_dim <= TILE_N[-1] else [t for t in TILE_N if t <= round_up(n_dim, 128)]
     while True:
         for tn in tns:
             if vmem_bytes(fmt, tm, tn, k_dim, x_size, out_size) <= VMEM_BUDGET:
                 return tm, tn
         if tm <= MIN_ROW_TILE:
-            raise NotSupported(f"{fmt} weights with K = {k_dim} do not fit the TPU kernel's VMEM budget "
+            raise NotSupported(f"{fmt.name} weights with K = {k_dim} do not fit the TPU kernel's VMEM budget "
                                f"({VMEM_BUDGET >> 20} MiB) even with [{tm}, {tns[-1]}] tiles")
         tm = max(MIN_ROW_TILE, tm // 2)
 
@@ -161,10 +143,7 @@ def check_supported(w: Any, x_dtype: Any, out_dtype: Any, num_rows: int, interpr
       interpret: the interpreter (CPU) skips the rule that Mosaic kernels run inside shard_map.
     """
     fmt = _format(w)
-    if fmt == "fp8_block" and jnp.dtype(w.weight.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        raise NotSupported(f"FP8 block weights must be float8_e4m3fn, got {w.weight.dtype}")
-    if fmt == "nvfp4" and jnp.dtype(w.scale.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        raise NotSupported(f"NVFP4 block scales must be float8_e4m3fn, got {w.scale.dtype}")
+    fmt.tpu.check(w)
     for what, dtype in (("activations", x_dtype), ("output", out_dtype)):
         if jnp.dtype(dtype) not in TPU_DTYPES:
             raise NotSupported(f"the TPU quantized grouped matmul takes float32 or bfloat16 {what}, got "
@@ -214,65 +193,8 @@ def work_items(group_sizes: jax.Array, num_rows: int, tm: int) -> tuple[jax.Arra
 # -------------------------------------------------------------------------------------------------- kernel
 
 
-def _dot_nt(a: jax.Array, b: jax.Array, precision: Any) -> jax.Array:
-    """a [m, c] . b [n, c] -> [m, n] float32 (b transposed on the MXU, no copy)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                           precision=precision)
-
-
-def _repeat_lanes(s: jax.Array, times: int) -> jax.Array:
-    """[r, c] -> [r, c * times] float32, each column repeated `times` times (one scale over its block of
-    columns), as a dot with a 0/1 expansion matrix: the MXU does the lane broadcast, which Mosaic would
-    otherwise build with costly lane shuffles. Exact for scales exact in bfloat16 (powers of two, e4m3)."""
-    r, c = s.shape
-    src = lax.broadcasted_iota(jnp.int32, (c, c * times), 0)
-    dst = lax.broadcasted_iota(jnp.int32, (c, c * times), 1)
-    expand = (dst // times == src).astype(jnp.bfloat16)
-    return lax.dot_general(s.astype(jnp.bfloat16), expand, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-
-
-def _fp8_block_acc(refs, *, tm, tn, k_dim, compute_dtype, precision):
-    """sum over 128-column blocks b of (x[:, b] . e4m3(w)[:, b].T) * scale[b, n]: [tm, tn] float32."""
-    x_ref, w_ref, s_ref = refs
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for block, c0 in enumerate(range(0, k_dim, FP8_BLOCK)):
-        c1 = min(c0 + FP8_BLOCK, k_dim)
-        wc = w_ref[:, c0:c1].astype(compute_dtype)  # e4m3 -> bf16 / f32: exact
-        part = _dot_nt(x_ref[:, c0:c1].astype(compute_dtype), wc, precision)
-        acc = acc + part * s_ref[block:block + 1, :]
-    return acc
-
-
-def _fp4_acc(refs, *, tm, tn, k_dim, compute_dtype, precision, per_scale, scale_values):
-    """sum over K chunks of x_even . (lo nibble values).T + x_odd . (hi nibble values).T: [tm, tn] float32.
-    `scale_values(s_ref)` gives the float32 scale of every `per_scale` columns, [tn, K / per_scale]."""
-    xe_ref, xo_ref, p_ref, s_ref = refs[:4]
-    scales = scale_values(s_ref)
-    half = k_dim // 2
-    per_byte = per_scale // 2  # packed bytes under one scale
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for c0 in range(0, half, CHUNK_K // 2):
-        c1 = min(c0 + CHUNK_K // 2, half)
-        codes = p_ref[:, c0:c1].astype(jnp.int32)
-        scale = _repeat_lanes(scales[:, c0 // per_byte:c1 // per_byte], per_byte)
-        lo = (e2m1_to_f32(codes & 0xF) * scale).astype(compute_dtype)  # exact in bf16 (see the docstring)
-        hi = (e2m1_to_f32(codes >> 4) * scale).astype(compute_dtype)
-        acc = acc + _dot_nt(xe_ref[:, c0:c1].astype(compute_dtype), lo, precision)
-        acc = acc + _dot_nt(xo_ref[:, c0:c1].astype(compute_dtype), hi, precision)
-    return acc
-
-
-def _mxfp4_scales(s_ref):
-    return e8m0_to_f32(s_ref[...])
-
-
-def _nvfp4_scales(s_ref):
-    return s_ref[...].astype(jnp.float32)
-
-
-def _kernel(group_ref, wgroup_ref, tile_ref, start_ref, end_ref, first_ref, *refs, fmt, num_groups, tm, tn,
-            k_dim, compute_dtype, precision, global_divides):
+def _kernel(group_ref, wgroup_ref, tile_ref, start_ref, end_ref, first_ref, *refs, accumulate, num_groups, tm, tn,
+            k_dim, compute_dtype, precision):
     in_refs, out_ref = refs[:-1], refs[-1]
     item = pl.program_id(1)  # read at top level (the interpreter binds program ids only here)
     group = group_ref[item]
@@ -288,51 +210,12 @@ def _kernel(group_ref, wgroup_ref, tile_ref, start_ref, end_ref, first_ref, *ref
 
     @pl.when(group < num_groups)
     def _compute():
-        kw = dict(tm=tm, tn=tn, k_dim=k_dim, compute_dtype=compute_dtype, precision=precision)
-        if fmt == "fp8_block":
-            acc = _fp8_block_acc(in_refs, **kw)
-        elif fmt == "mxfp4":
-            acc = _fp4_acc(in_refs, per_scale=MXFP4_BLOCK, scale_values=_mxfp4_scales, **kw)
-        else:
-            acc = _fp4_acc(in_refs, per_scale=NVFP4_BLOCK, scale_values=_nvfp4_scales, **kw)
-            gs = in_refs[4][expert]
-            acc = acc / gs if global_divides else acc * gs
-        merge(acc)
+        merge(accumulate(in_refs, expert, tm=tm, tn=tn, k_dim=k_dim, compute_dtype=compute_dtype,
+                         precision=precision))
 
     @pl.when(group >= num_groups)
     def _zeros():  # the pseudo group (rows past the groups) writes zeros; an unused item changes nothing
         merge(jnp.zeros((tm, tn), jnp.float32))
-
-
-def _operands(fmt: str, x: jax.Array, w: Any, num_groups: int, n_dim: int, k_dim: int, tm: int, tn: int):
-    """(activation operands, weight operands, their BlockSpecs) in the kernel's layouts (see the module
-    docstring); index maps take (n tile, item, *work list)."""
-    rows_spec = lambda cols: pl.BlockSpec((tm, cols), lambda n, i, g, wg, t, *_: (t[i], 0))
-    if fmt == "fp8_block":
-        kb = cdiv(k_dim, FP8_BLOCK)
-        # [G, ceil(N/128), kb] -> [G, kb, N]: one float32 row of per-column scales per 128-column block of K
-        scale = jnp.repeat(jnp.swapaxes(w.scale_inv.astype(jnp.float32), 1, 2), FP8_BLOCK, axis=2)[:, :, :n_dim]
-        acts = (x,)
-        weights = (w.weight, scale)
-        specs = [rows_spec(k_dim),
-                 pl.BlockSpec((None, tn, k_dim), lambda n, i, g, wg, *_: (wg[i], n, 0)),
-                 pl.BlockSpec((None, kb, tn), lambda n, i, g, wg, *_: (wg[i], 0, n))]
-        return acts, weights, specs
-    if fmt == "mxfp4":
-        packed = w.blocks.reshape(num_groups, n_dim, k_dim // 2)
-        scales = w.scales
-    else:
-        packed, scales = w.packed, w.scale
-    acts = (x[:, 0::2], x[:, 1::2])  # the low nibble of byte j is column 2j, the high one 2j + 1
-    specs = [rows_spec(k_dim // 2), rows_spec(k_dim // 2),
-             pl.BlockSpec((None, tn, k_dim // 2), lambda n, i, g, wg, *_: (wg[i], n, 0)),
-             pl.BlockSpec((None, tn, scales.shape[-1]), lambda n, i, g, wg, *_: (wg[i], n, 0))]
-    weights = (packed, scales)
-    if fmt == "nvfp4":
-        gs = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_groups,))
-        weights = weights + (gs,)
-        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-    return acts, weights, specs
 
 
 def quant_gmm_tpu(x: jax.Array, w: Any, group_sizes: jax.Array, *, out_dtype: Any = None,
@@ -370,10 +253,9 @@ def quant_gmm_tpu(x: jax.Array, w: Any, group_sizes: jax.Array, *, out_dtype: An
     compute_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
     items = work_items(group_sizes, num_rows, tm)
-    acts, weights, specs = _operands(fmt, x, w, num_groups, n_dim, k_dim, tm, tn)
-    kernel = partial(_kernel, fmt=fmt, num_groups=num_groups, tm=tm, tn=tn, k_dim=k_dim,
-                     compute_dtype=compute_dtype, precision=precision,
-                     global_divides=not getattr(w, "global_multiplies", False))
+    acts, weights, specs = fmt.tpu.operands(x, w, num_groups, n_dim, k_dim, tm, tn)
+    kernel = partial(_kernel, accumulate=fmt.tpu.accumulator(w), num_groups=num_groups, tm=tm, tn=tn, k_dim=k_dim,
+                     compute_dtype=compute_dtype, precision=precision)
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
@@ -386,6 +268,6 @@ def quant_gmm_tpu(x: jax.Array, w: Any, group_sizes: jax.Array, *, out_dtype: An
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
-        name=f"{KERNEL_NAME}_{fmt}",
+        name=f"{KERNEL_NAME}_{fmt.name}",
     )
     return run_manual(lambda *operands: call(*operands), *items, *acts, *weights)

@@ -3,15 +3,10 @@ weights, dequantized inside the kernel; semantics are reference.py's.
 
     quant_gmm_triton(x[T, K], w[G, N, K] quantized, group_sizes[G], ...) -> [T, N]
 
-Kernel: the grouped-matmul kernel of gmm/pallas_triton.py (same tile schedule, grid and split-K) with a weight-tile loader
-per format that turns the quantized bytes of one [block_n, block_k] tile into compute-dtype values in registers:
-  - FP8 block: e4m3 -> compute dtype (exact in bf16); the 128x128 scale is constant over a K step (block_k
-    divides 128), so it multiplies the step's float32 partial product per output column (DeepSeek's trick:
-    no per-element scale multiply, and no rounding of w * scale to bf16).
-  - MXFP4: bytes -> two E2M1 nibbles by integer ops (low nibble = even element) times 2**(s - 127) built from
-    the exponent bits; exact in bf16. The two halves are interleaved in registers (Triton join + reshape).
-  - NVFP4: nibbles times float32(e4m3 block scale) (exact in bf16: at most 6 significant bits); the per-tensor
-    global scale divides the float32 accumulator once at the end.
+Kernel: the grouped-matmul kernel of gmm/pallas_triton.py (same tile schedule, grid and split-K) with the weight
+format's tile loader (`formats/<format>.py`), which turns the quantized bytes of one [block_n, block_k] tile into
+compute-dtype values in registers (FP8 block: e4m3 values, the block scale per K step; MXFP4 / NVFP4: nibbles
+decoded by integer ops times their block scale; NVFP4's global scale applies to the accumulator at the end).
 With bf16 activations the products are therefore exact and only the float32 accumulation order differs from
 the reference.
 
@@ -21,7 +16,7 @@ block_n = 64, block_k = 64 (a [64, 128] tile spills on every target), and split-
 programs per SM (`Target.num_sms`): each program streams a [64, 64] byte tile per step (4 KiB FP8, 2 KiB FP4)
 with 4 pipeline stages in flight (2 on MI300). The float32 partials [splits, M, N] are tiny at decode sizes and
 summed by XLA (deterministic, no atomics). Prefill (larger groups) uses 128-row tiles. FP8 on a target without
-e4m3 conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`formats.e4m3_to_f32`).
+e4m3 conversion (A100) is read as uint8 bit patterns and decoded with integer operations (`e4m3_to_f32`).
 """
 
 from __future__ import annotations
@@ -31,15 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental.pallas import triton as plt
 
-from .._select import NotSupported
-from .._util import cdiv, col, next_pow2, row
+from .._util import cdiv, next_pow2
 from ..gmm import GmmConfig, grouped_matmul_call
 from ..targets import current_target, get_target
-from .formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight,
-                      e2m1_to_f32, e4m3_to_f32, e8m0_to_f32)
+from .formats import FORMATS, Nvfp4Weight, format_of
 
 __all__ = ["quant_gmm_triton", "check_triton", "default_quant_config", "QuantMatmulConfig", "QUANT_TILINGS",
            "DECODE_ROWS", "tiling_candidates", "with_group_dim"]
@@ -106,150 +97,14 @@ def tiling_candidates(target: str) -> dict[str, GmmConfig]:
 # ----------------------------------------------------------------------------------------------- loaders
 
 
-def _fp8_zero() -> jax.Array:
-    """An e4m3 zero for masked loads (Triton cannot cast the integer literal 0 to fp8)."""
-    return jnp.zeros((), jnp.float8_e4m3fn)
-
-
-def _expand(scale: jax.Array, bn: int, groups: int, per: int) -> jax.Array:
-    """[bn, groups] -> [bn, groups * per]: each group scale repeated over its `per` packed bytes."""
-    return jnp.broadcast_to(scale[:, :, None], (bn, groups, per)).reshape(bn, groups * per)
-
-
-def _fp4_tile(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """uint8 [bn, bk/2] and a float32 scale per byte [bn, bk/2] -> float32 [bn, bk], the low nibble first."""
-    lo = e2m1_to_f32(packed & 0xF) * scale
-    hi = e2m1_to_f32(packed >> 4) * scale
-    bn, half = packed.shape
-    return jnp.stack([lo, hi], axis=-1).reshape(bn, 2 * half)
-
-
-def _e4m3_load(ref, index, mask, fp8_bits: bool) -> jax.Array:
-    """A masked load of e4m3 values as float32: a hardware conversion, or (fp8_bits) the ref holds the e4m3 bit
-    patterns as uint8 and integer operations decode them (`e4m3_to_f32`: targets without e4m3 instructions)."""
-    if fp8_bits:
-        return e4m3_to_f32(plt.load(ref.at[index], mask=mask, other=0))
-    return plt.load(ref.at[index], mask=mask, other=_fp8_zero()).astype(jnp.float32)
-
-
-def _fp8_operand(a: jax.Array, fp8_bits: bool) -> jax.Array:
-    """e4m3 kernel operands travel as their uint8 bit patterns when the kernel decodes them with integer ops."""
-    return lax.bitcast_convert_type(a, jnp.uint8) if fp8_bits else a
-
-
-class _Fp8BlockRhs:
-    """weight e4m3 [G, N, K] (uint8 bit patterns when fp8_bits), scale_inv float32 [G, ceil(N/128), ceil(K/128)]."""
-
-    num_refs = 2
-    transposed = True
-
-    def __init__(self, fp8_bits: bool = False):
-        self.fp8_bits = fp8_bits
-
-    def check_block_k(self, block_k: int) -> None:
-        if FP8_BLOCK % block_k:
-            raise NotSupported(f"FP8 block kernel needs block_k dividing 128, got {block_k}")
-
-    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
-        w_ref, _ = refs
-        w = _e4m3_load(w_ref, (g, row(ns), col(ks)), row(nmask) & col(kmask), self.fp8_bits)
-        return w.astype(compute_dtype)  # e4m3 -> bf16 is exact
-
-    def step_scale(self, refs, g, k0, ns, nmask):
-        _, s_ref = refs
-        return plt.load(s_ref.at[g, ns // FP8_BLOCK, k0 // FP8_BLOCK], mask=nmask, other=0)
-
-    def final_scale(self, refs, g):
-        return None
-
-
-class _Mxfp4Rhs:
-    """blocks viewed as uint8 [G, N, K/2], scales uint8 [G, N, K/32]."""
-
-    num_refs = 2
-    transposed = True
-
-    def __init__(self, k_dim: int):
-        self.k_dim = k_dim
-
-    def check_block_k(self, block_k: int) -> None:
-        if block_k % MXFP4_BLOCK:
-            raise NotSupported(f"MXFP4 kernel needs block_k a multiple of 32, got {block_k}")
-
-    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
-        b_ref, s_ref = refs
-        bn, bk = ns.shape[0], ks.shape[0]
-        kb = k0 // 2 + jnp.arange(bk // 2, dtype=jnp.int32)
-        packed = plt.load(b_ref.at[g, row(ns), col(kb)], mask=row(nmask) & col(kb < self.k_dim // 2), other=0)
-        sg = k0 // MXFP4_BLOCK + jnp.arange(bk // MXFP4_BLOCK, dtype=jnp.int32)
-        s = plt.load(s_ref.at[g, row(ns), col(sg)], mask=row(nmask) & col(sg < self.k_dim // MXFP4_BLOCK),
-                     other=127)
-        scale = _expand(e8m0_to_f32(s), bn, bk // MXFP4_BLOCK, MXFP4_BLOCK // 2)
-        return _fp4_tile(packed, scale).astype(compute_dtype)  # exact in bf16
-
-    def step_scale(self, refs, g, k0, ns, nmask):
-        return None
-
-    def final_scale(self, refs, g):
-        return None
-
-
-class _Nvfp4Rhs:
-    """packed uint8 [G, N, K/2], scale e4m3 [G, N, K/16] (uint8 bit patterns when fp8_bits), global_scale
-    float32 [G]."""
-
-    num_refs = 3
-    transposed = True
-
-    def __init__(self, k_dim: int, global_multiplies: bool = False, fp8_bits: bool = False):
-        self.k_dim = k_dim
-        self.final_divides = not global_multiplies  # compressed-tensors divides, ModelOpt multiplies
-        self.fp8_bits = fp8_bits
-
-    def check_block_k(self, block_k: int) -> None:
-        if block_k % NVFP4_BLOCK:
-            raise NotSupported(f"NVFP4 kernel needs block_k a multiple of 16, got {block_k}")
-
-    def tile(self, refs, g, k0, ks, ns, kmask, nmask, compute_dtype):
-        p_ref, s_ref, _ = refs
-        bn, bk = ns.shape[0], ks.shape[0]
-        kb = k0 // 2 + jnp.arange(bk // 2, dtype=jnp.int32)
-        packed = plt.load(p_ref.at[g, row(ns), col(kb)], mask=row(nmask) & col(kb < self.k_dim // 2), other=0)
-        sg = k0 // NVFP4_BLOCK + jnp.arange(bk // NVFP4_BLOCK, dtype=jnp.int32)
-        s = _e4m3_load(s_ref, (g, row(ns), col(sg)), row(nmask) & col(sg < self.k_dim // NVFP4_BLOCK),
-                       self.fp8_bits)
-        scale = _expand(s, bn, bk // NVFP4_BLOCK, NVFP4_BLOCK // 2)
-        # nibble x e4m3 has at most 6 significant bits: exact in bf16; the global scale divides at the end
-        return _fp4_tile(packed, scale).astype(compute_dtype)
-
-    def step_scale(self, refs, g, k0, ns, nmask):
-        return None
-
-    def final_scale(self, refs, g):
-        _, _, gs_ref = refs
-        return gs_ref[g]
-
-
 def _operands(w: Any, num_groups: int):
-    """(loader, kernel operands, N, K) for a quantized weight with leading dim G, for the target being traced
-    for (without e4m3 hardware, FP8 values are passed as bits and decoded with integer operations)."""
-    fp8_bits = not current_target().fp8_convert
-    if isinstance(w, Fp8BlockWeight):
-        _, n_dim, k_dim = w.weight.shape
-        if w.weight.dtype != jnp.float8_e4m3fn:
-            raise ValueError(f"FP8 block weight must be float8_e4m3fn, got {w.weight.dtype}")
-        return (_Fp8BlockRhs(fp8_bits), (_fp8_operand(w.weight, fp8_bits), w.scale_inv.astype(jnp.float32)),
-                n_dim, k_dim)
-    if isinstance(w, Mxfp4Weight):
-        g, n_dim, groups, _ = w.blocks.shape
-        k_dim = groups * MXFP4_BLOCK
-        return _Mxfp4Rhs(k_dim), (w.blocks.reshape(g, n_dim, k_dim // 2), w.scales), n_dim, k_dim
-    if isinstance(w, Nvfp4Weight):
-        _, n_dim, half = w.packed.shape
-        global_scale = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_groups,))
-        return (_Nvfp4Rhs(2 * half, w.global_multiplies, fp8_bits),
-                (w.packed, _fp8_operand(w.scale, fp8_bits), global_scale), n_dim, 2 * half)
-    raise TypeError(f"expected Fp8BlockWeight, Mxfp4Weight or Nvfp4Weight, got {type(w).__name__}")
+    """(loader, kernel operands, N, K) of the weight's format (formats/), for the target being traced for
+    (without e4m3 hardware, FP8 values are passed as bits and decoded with integer operations)."""
+    fmt = format_of(w)
+    if fmt is None:
+        raise TypeError(f"expected a quantized weight ({', '.join(f.container.__name__ for f in FORMATS.values())}), "
+                        f"got {type(w).__name__}")
+    return fmt.triton(w, num_groups, not current_target().fp8_convert)
 
 
 def with_group_dim(w: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Quantized matmul's semantics in plain JAX: dequantize with the NumPy-exact dequantizers (formats.py), then
+"""Quantized matmul's semantics in plain JAX: dequantize with the NumPy-exact dequantizers (formats/), then
 multiply in float32 at HIGHEST precision; the reference every backend equals.
 
     quant_matmul_reference(x[M, K], w[N, K] quantized) -> [M, N] = x @ dequant(w).T

@@ -15,7 +15,9 @@ import pytest
 
 from tutel_jax.checkpoint.safetensors_io import open_checkpoint
 from tutel_jax.models import context_from_mask, from_pretrained
-from tutel_jax.models.dequant import dequant_fp8_block, dequant_mxfp4, dequant_nvfp4
+from pallas_kernels.quant.formats.fp8_block import dequant_fp8_block_numpy
+from pallas_kernels.quant.formats.mxfp4 import dequant_mxfp4_numpy
+from pallas_kernels.quant.formats.nvfp4 import dequant_nvfp4_numpy
 from tutel_jax.serving import generate, left_align
 from support.paths import HF, REPO
 
@@ -85,16 +87,16 @@ def test_dequant_formulas():
     blocks = np.zeros((1, 1, 16), np.uint8)
     blocks[0, 0, 0] = 0x71  # element 0: code 1 (0.5), element 1: code 7 (6)
     scales = np.array([[130]], np.uint8)
-    w = dequant_mxfp4(blocks, scales)
+    w = dequant_mxfp4_numpy(blocks, scales)
     assert w.shape == (1, 32) and w[0, 0] == 0.5 * 8 and w[0, 1] == 6 * 8 and not w[0, 2:].any()
     fp8 = np.full((130, 3), 2.0, np.float32).astype(ml_dtypes.float8_e4m3fn)
-    d = dequant_fp8_block(fp8, np.array([[0.5], [3.0]], np.float32))
+    d = dequant_fp8_block_numpy(fp8, np.array([[0.5], [3.0]], np.float32))
     assert d[127, 0] == 1.0 and d[128, 2] == 6.0 and d.shape == (130, 3)
-    nv = dequant_nvfp4(np.array([[0xF2] * 8], np.uint8), np.array([[6.0]], ml_dtypes.float8_e4m3fn),
+    nv = dequant_nvfp4_numpy(np.array([[0xF2] * 8], np.uint8), np.array([[6.0]], ml_dtypes.float8_e4m3fn),
                        np.array([2.0], np.float32))
     np.testing.assert_array_equal(nv[0, :2], [1.0 * 3, -6.0 * 3])
     with pytest.raises(ValueError, match="blocks"):
-        dequant_fp8_block(fp8, np.ones((1, 1), np.float32))
+        dequant_fp8_block_numpy(fp8, np.ones((1, 1), np.float32))
 
 
 def test_padded_forward_matches_unpadded():

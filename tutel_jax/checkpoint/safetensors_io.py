@@ -38,6 +38,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.quant import FORMATS
+
 from ..core.host_memory import empty_aligned
 from ..validation import load_json
 from .paths import resolve_inside
@@ -86,10 +88,11 @@ def _nonfinite_rule(name: str, dtype: np.dtype) -> tuple[str, int, str] | None:
         return "mask", 0x7F, "float8_e4m3fn NaN codes 0x7F/0xFF"
     if dtype == DTYPES["F8_E5M2"]:
         return "mask", 0x7C, "float8_e5m2 NaN/inf"
-    if dtype == np.uint8 and name.endswith("_scales"):  # MXFP4 (GPT-OSS) E8M0 block scales
-        return "equal", 0xFF, "MXFP4 E8M0 scale code 0xFF = NaN"
-    if dtype == np.uint8 and name.endswith(".weight_scale"):  # NVFP4 e4m3 block scales stored as bytes
-        return "mask", 0x7F, "NVFP4 e4m3 scale NaN codes 0x7F/0xFF"
+    if dtype == np.uint8:  # a quantized format's byte-coded scales (MXFP4 E8M0, NVFP4 e4m3 as bytes)
+        for fmt in FORMATS.values():
+            rule = fmt.byte_nonfinite(name)
+            if rule is not None:
+                return rule
     return None
 
 

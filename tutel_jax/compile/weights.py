@@ -29,7 +29,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 from ..quant import weights as quant_weights
 from ..layer.config import make_config
@@ -38,6 +37,7 @@ from ..models.families import family_of
 from ..models.family import moe_hidden_size
 from ..models.hf_tables import attention_table, mlp_prefix
 from ..models.moe_block import _num_experts
+from ..models.dequant import QuantizedTensors
 from ..models.quant_layout import checkpoint_layout
 from ..models.random_init import hf_tensor_shapes
 from ..models.spec import DecoderSpec, spec_from_config
@@ -69,20 +69,7 @@ def abstract_tensors(config: Mapping[str, Any], quantized: bool = True) -> dict[
         layout = checkpoint_layout({k: v for k, v in config.items() if k != "quantization_config"})
         return {i.name: jax.ShapeDtypeStruct(i.shape, DTYPES[code or i.dtype]) for i, _ in layout}
     parts = {i.name: jax.ShapeDtypeStruct(i.shape, DTYPES[i.dtype]) for i, _ in checkpoint_layout(config)}
-    out: dict[str, Any] = {}
-    for name, sds in parts.items():
-        if name.endswith(".weight_scale_inv"):
-            base = name[: -len("_scale_inv")]
-            out[base] = Fp8BlockWeight(parts[base], jax.ShapeDtypeStruct(sds.shape, np.float32))
-        elif name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in parts:
-            base = name[: -len("_blocks")]
-            out[base] = Mxfp4Weight(sds, parts[base + "_scales"])
-        elif name.endswith(".weight_packed"):
-            base = name[: -len("_packed")]
-            out[base] = Nvfp4Weight(sds, parts[base + "_scale"], jax.ShapeDtypeStruct((1,), np.float32))
-        elif not name.endswith(("_scales", ".weight_scale", ".weight_global_scale")) and name not in out:
-            out.setdefault(name, sds)
-    return out
+    return dict(QuantizedTensors(parts, config))  # the formats' containers of ShapeDtypeStructs
 
 
 def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:

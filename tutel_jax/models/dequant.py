@@ -1,20 +1,12 @@
-"""Dequantize-on-load view of a quantized HF checkpoint (formats: see pallas_kernels/quant/formats.py).
+"""A quantized HF checkpoint's tensors under their unquantized names (formats: `pallas_kernels.quant.formats`,
+one module each with its on-disk names and NumPy reference).
 
-`DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names,
-so the float loaders (`hf_tables`, `moe_block`) read quantized checkpoints unchanged;
-`QuantizedTensors(tensors, config)` shows the same names as quantized containers:
-
-  FP8 block (DeepSeek)    X.weight e4m3 [out, in] + X.weight_scale_inv f32 [ceil(out/b), ceil(in/b)]
-                          -> X.weight = f32(w) * scale_inv per b x b block (edge blocks partial)
-  MXFP4 (GPT-OSS)         X_blocks u8 [E, out, in/32, 16] + X_scales u8 E8M0 [E, out, in/32]
-                          -> X = (LUT[nibbles] * 2**(s - 127)) [E, out, in], transposed to [E, in, out]
-  NVFP4 (compressed-t.)   X.weight_packed u8 [out, in/2] + X.weight_scale e4m3 [out, in/16] + X.weight_global_scale
-                          -> X.weight = LUT[nibbles] * (f32(weight_scale) / weight_global_scale)
-  NVFP4 (ModelOpt)        X.weight u8 [out, in/2] + X.weight_scale e4m3 [out, in/16] + X.weight_scale_2 f32 []
-                          -> X.weight = LUT[nibbles] * (f32(weight_scale) * weight_scale_2)  (X.input_scale unused)
-Other floating tensors (bf16, f16) are upcast to float32 exactly. That is the reference path; the default
-`QuantizedTensors` view keeps the weights packed (containers of `pallas_kernels.quant`), dequantized inside the
-matmuls (`tutel_jax.quant.weights`).
+`DequantizedTensors(tensors, config)` is a Mapping that shows the float32 tensors under the unquantized names
+(each format's `dequantize_numpy`, in the float checkpoint's layout: GPT-OSS's MXFP4 expert weights as
+[E, in, out]), so the float loaders (`hf_tables`, `moe_block`) read quantized checkpoints unchanged; other
+floating tensors (bf16, f16) are upcast to float32 exactly. That is the reference path. The default
+`QuantizedTensors(tensors, config)` shows the same names as the formats' containers of the packed arrays,
+validated (`from_parts`), dequantized inside the matmuls (`tutel_jax.quant.weights`).
 """
 
 from __future__ import annotations
@@ -22,12 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
-from pallas_kernels.quant import E2M1_LUT, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from pallas_kernels.quant import FORMATS, QuantFormat, format_for_method
+from pallas_kernels.quant.formats import WeightParts
 
-__all__ = ["E2M1_LUT", "QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
-           "is_quantized"]
+__all__ = ["QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "is_quantized"]
+
+#: config.json quant_method values with a format (`pallas_kernels.quant.FORMATS`)
+QUANT_METHODS = tuple(method for fmt in FORMATS.values() for method in fmt.hf_methods)
+
 
 def _is_float(dtype: np.dtype) -> bool:
     """NumPy floats and ml_dtypes floats (bfloat16, float8_*), whose dtype kind is not 'f'."""
@@ -38,56 +35,22 @@ def is_quantized(config: Mapping[str, Any]) -> bool:
     return bool(config.get("quantization_config"))
 
 
-QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors", "modelopt")
-
-
 def check_quantization_config(config: Mapping[str, Any]) -> None:
-    """ValueError unless config.json's quantization_config names a supported method / format."""
+    """ValueError unless config.json's quantization_config names a supported method (and its format's options)."""
     q = config.get("quantization_config")
     if not q:
         return
     if not isinstance(q, Mapping):
         raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
-    method = q.get("quant_method")
-    if method not in QUANT_METHODS:
-        raise ValueError(f"unsupported quantization method {method!r}; supported: {QUANT_METHODS}")
-    fmt = q.get("format")
-    if method == "compressed-tensors" and fmt not in (None, "nvfp4-pack-quantized"):
-        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; supported: 'nvfp4-pack-quantized'")
-    if method == "modelopt" and str(q.get("quant_algo", "")).upper() != "NVFP4":
-        raise ValueError(f"unsupported modelopt quant_algo {q.get('quant_algo')!r}; supported: 'NVFP4'")
+    fmt = format_for_method(q.get("quant_method"))
+    if fmt is None:
+        raise ValueError(f"unsupported quantization method {q.get('quant_method')!r}; supported: {QUANT_METHODS}")
+    fmt.check_hf_config(q)
 
 
-def dequant_fp8_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
-    """w [out, in] (float8) * scale_inv [ceil(out/b0), ceil(in/b1)] per block -> float32 [out, in]."""
-    out, inp = w.shape
-    if scale_inv.shape != (-(-out // block[0]), -(-inp // block[1])):
-        raise ValueError(f"weight_scale_inv shape {scale_inv.shape} does not fit weight {w.shape} in "
-                         f"{block[0]}x{block[1]} blocks")
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], 0), block[1], 1)[:out, :inp]
-    return w.astype(np.float32) * s
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """uint8 [..., n] -> codes [..., 2n], low nibble first."""
-    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))
-
-
-def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks u8 [..., G, 16], scales u8 [..., G] (E8M0, unsigned) -> float32 [..., 32 G]."""
-    vals = E2M1_LUT[_nibbles(blocks)]  # [..., G, 32]
-    vals = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).astype(np.float32)
-    return vals.reshape(vals.shape[:-2] + (-1,))
-
-
-def dequant_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray, group: int = 16,
-                  global_multiplies: bool = False) -> np.ndarray:
-    """packed u8 [out, in/2], scale e4m3 [out, in/group], global_scale f32 [1] -> float32 [out, in]; the global
-    scale divides (compressed-tensors) or multiplies (`global_multiplies`: ModelOpt's weight_scale_2)."""
-    vals = E2M1_LUT[_nibbles(packed)]
-    g = np.asarray(global_scale, np.float32).reshape(())
-    s = scale.astype(np.float32) * g if global_multiplies else scale.astype(np.float32) / g
-    return vals * np.repeat(s, group, axis=-1)[:, :vals.shape[-1]]
+def _array(value: Any) -> Any:
+    """A tensor as NumPy; an abstract one (ShapeDtypeStruct: compiling without weights) as it is."""
+    return value if isinstance(value, jax.ShapeDtypeStruct) else np.asarray(value)
 
 
 class _QuantizedCheckpointView(Mapping):
@@ -96,35 +59,16 @@ class _QuantizedCheckpointView(Mapping):
 
     def __init__(self, tensors: Mapping[str, np.ndarray], config: Mapping[str, Any] | None = None):
         self._t = tensors
-        q = (config or {}).get("quantization_config") or {}
-        self._block = tuple(q.get("weight_block_size") or (128, 128))
-        self._rules: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._q = (config or {}).get("quantization_config") or {}
+        self._rules: dict[str, tuple[QuantFormat, WeightParts]] = {}
         hidden = set()
         for name in tensors:
-            if name.endswith(".weight_scale_inv"):
-                base = name[: -len("_scale_inv")]
-                self._rules[base] = ("fp8", (base, name))
-                hidden.add(name)
-            elif name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in tensors:
-                base = name[: -len("_blocks")]
-                self._rules[base] = ("mxfp4", (name, base + "_scales"))
-                hidden.update((name, base + "_scales"))
-            elif name.endswith(".weight_scale_2"):  # ModelOpt NVFP4: X.weight u8, X.weight_scale, X.weight_scale_2
-                base = name[: -len("_scale_2")]
-                parts = (base, base + "_scale", name)
-                missing = [p for p in parts if p not in tensors]
-                if missing:
-                    raise ValueError(f"NVFP4 (ModelOpt) tensor {name!r} lacks {missing}")
-                self._rules[base] = ("nvfp4_modelopt", parts)
-                hidden.update(parts[1:] + (base[: -len("weight")] + "input_scale",))
-            elif name.endswith(".weight_packed"):
-                base = name[: -len("_packed")]
-                parts = (name, base + "_scale", base + "_global_scale")
-                missing = [p for p in parts if p not in tensors]
-                if missing:
-                    raise ValueError(f"NVFP4 tensor {name!r} lacks {missing}")
-                self._rules[base] = ("nvfp4", parts)
-                hidden.update(parts)
+            for fmt in FORMATS.values():
+                parts = fmt.find_parts(name, tensors)
+                if parts is not None:
+                    self._rules[parts.base] = (fmt, parts)
+                    hidden.update(parts.hidden)
+                    break
         self._names = [n for n in tensors if n not in hidden and n not in self._rules] + list(self._rules)
         self._visible = frozenset(self._names)
 
@@ -146,18 +90,18 @@ class _QuantizedCheckpointView(Mapping):
         if rule is None:
             if name not in self:
                 raise KeyError(name)
-            return self._plain(np.asarray(self._t[name]))
+            return self._plain(_array(self._t[name]))
         fmt, parts = rule
-        arrays = [np.asarray(self._t[p]) for p in parts]  # read errors (e.g. non-finite) pass through as they are
+        arrays = [_array(self._t[p]) for p in parts.names]  # read errors (e.g. non-finite) pass through as is
         try:
-            return self._convert(fmt, arrays)
+            return self._convert(fmt, parts, arrays)
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
 
     def _plain(self, a: np.ndarray) -> np.ndarray:
         return a
 
-    def _convert(self, fmt: str, parts: list[np.ndarray]) -> Any:
+    def _convert(self, fmt: QuantFormat, parts: WeightParts, arrays: list[np.ndarray]) -> Any:
         raise NotImplementedError
 
 
@@ -168,17 +112,8 @@ class DequantizedTensors(_QuantizedCheckpointView):
     def _plain(self, a):
         return a.astype(np.float32) if _is_float(a.dtype) else a
 
-    def _convert(self, fmt, a):
-        if fmt == "fp8":
-            return dequant_fp8_block(a[0], a[1], self._block)
-        if fmt == "mxfp4":
-            return np.swapaxes(dequant_mxfp4(a[0], a[1]), -1, -2).copy()  # [E, out, in] -> [E, in, out]
-        return dequant_nvfp4(a[0], a[1], a[2], global_multiplies=fmt == "nvfp4_modelopt")
-
-
-def _expect(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+    def _convert(self, fmt, parts, arrays):
+        return fmt.dequantize_numpy(parts, arrays, self._q)
 
 
 class QuantizedTensors(_QuantizedCheckpointView):
@@ -186,28 +121,8 @@ class QuantizedTensors(_QuantizedCheckpointView):
     checkpoint's own layout (FP8 / NVFP4 [out, in]; MXFP4 [E, out, in]); shapes are validated here. Other
     tensors are returned as stored. FP8 needs 128 x 128 blocks (`fp8_block_supported`)."""
 
-    def _convert(self, fmt, a):
-        if fmt == "fp8":
-            w, s = a
-            _expect(w.dtype.name == "float8_e4m3fn", f"FP8 weight must be float8_e4m3fn, got {w.dtype}")
-            want = w.shape[:-2] + tuple(-(-d // 128) for d in w.shape[-2:])
-            _expect(s.shape == want, f"weight_scale_inv shape {s.shape} does not fit weight {w.shape} in "
-                                     "128x128 blocks")
-            return Fp8BlockWeight(w, s.astype(np.float32))
-        if fmt == "mxfp4":
-            blocks, scales = a
-            _expect(blocks.dtype == np.uint8 and scales.dtype == np.uint8, "MXFP4 blocks/scales must be uint8")
-            _expect(blocks.ndim >= 3 and blocks.shape[-1] == 16 and scales.shape == blocks.shape[:-1],
-                    f"MXFP4 blocks {blocks.shape} must be [..., G, 16] with scales [..., G], got scales "
-                    f"{scales.shape}")
-            return Mxfp4Weight(blocks, scales)
-        packed, scale, gscale = a
-        _expect(packed.dtype == np.uint8, f"NVFP4 packed weight must be uint8, got {packed.dtype}")
-        _expect(scale.shape == packed.shape[:-1] + (packed.shape[-1] * 2 // 16,),
-                f"NVFP4 weight_scale shape {scale.shape} does not fit weight_packed {packed.shape} "
-                "(one scale per 16 values)")
-        _expect(gscale.size == 1, f"NVFP4 weight_global_scale must hold one value, got shape {gscale.shape}")
-        return Nvfp4Weight(packed, scale, gscale.astype(np.float32).reshape(1), fmt == "nvfp4_modelopt")
+    def _convert(self, fmt, parts, arrays):
+        return fmt.from_parts(parts, arrays, self._q)
 
     def fp8_block_supported(self) -> bool:
-        return self._block == (128, 128)
+        return tuple(self._q.get("weight_block_size") or (128, 128)) == (128, 128)

@@ -1,20 +1,15 @@
 """The on-disk tensor layout of a quantized HF checkpoint: names, safetensors dtypes and shapes, from config.json.
 
-The inverse of `dequant.QuantizedTensors`' naming (formats: see `models.dequant`), built on the float layout of
-`random_init.hf_tensor_shapes`:
-
-  fp8 (DeepSeek)          every linear `*_proj*.weight` [out, in] -> F8_E4M3 [out, in]
-                          + `weight_scale_inv` F32 [ceil(out/b0), ceil(in/b1)] (b = weight_block_size)
-  mxfp4 (GPT-OSS)         the fused expert weights [E, in, out] -> `<w>_blocks` U8 [E, out, in/32, 16]
-                          + `<w>_scales` U8 (E8M0) [E, out, in/32]; the rest (modules_to_not_convert) float
-  compressed-tensors      every linear `*_proj*.weight` [out, in] not in `ignore` -> `weight_packed` U8 [out, in/2]
-  (nvfp4-pack-quantized)  + `weight_scale` F8_E4M3 [out, in/16] + `weight_global_scale` F32 [1]
+The inverse of `dequant.QuantizedTensors`' naming, built on the float layout of `random_init.hf_tensor_shapes`:
+the format the config's quant_method names (`pallas_kernels.quant.formats`) says, tensor by tensor, which ones it
+stores quantized and as which on-disk tensors (`QuantFormat.disk_tensors`; fp8: every linear, mxfp4: the fused
+expert weights, compressed-tensors nvfp4: every linear not in `ignore`).
 
 Float tensors get the config's dtype (`dtype` / `torch_dtype`, default bfloat16), except DeepSeek's
 `e_score_correction_bias` (float32, as HF stores it). Each tensor comes with its role, which says what its
-values are: 'normal' / 'ones' / 'zeros' (float weights as HF initialises them), 'fp4' (packed E2M1 pairs),
-'e8m0' (MXFP4 block exponents), 'fp8' (e4m3 weights), 'scale_inv' (FP8 block scales), 'e4m3_scale' (NVFP4
-block scales) and 'global_scale' (NVFP4 per-tensor scale).
+values are: 'normal' / 'ones' / 'zeros' (float weights as HF initialises them), or a format's roles ('fp4':
+packed E2M1 pairs, 'e8m0': MXFP4 block exponents, 'fp8': e4m3 weights, 'scale_inv': FP8 block scales,
+'e4m3_scale': NVFP4 block scales, 'global_scale': NVFP4 per-tensor scale).
 """
 
 from __future__ import annotations
@@ -23,6 +18,9 @@ import math
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from pallas_kernels.quant import FORMATS, format_for_method
+from pallas_kernels.quant.formats import TensorSite
 
 from ..checkpoint.safetensors_io import DTYPE_BITS
 from ..checkpoint.safetensors_write import TensorInfo
@@ -34,7 +32,12 @@ from .spec import spec_from_config
 
 __all__ = ["ROLES", "ALLOWED_DTYPES", "float_dtype_code", "checkpoint_layout", "check_checkpoint_header"]
 
-ROLES = ("normal", "ones", "zeros", "fp4", "e8m0", "fp8", "scale_inv", "e4m3_scale", "global_scale")
+_FLOATS = ("F32", "F16", "BF16")
+#: role -> the safetensors dtypes a tensor of that role may have (float roles, then every format's)
+ALLOWED_DTYPES: dict[str, tuple[str, ...]] = {"normal": _FLOATS, "ones": _FLOATS, "zeros": _FLOATS}
+for _fmt in FORMATS.values():
+    ALLOWED_DTYPES.update(_fmt.roles)
+ROLES = tuple(ALLOWED_DTYPES)
 _LINEAR = re.compile(r"_proj[a-z_]*\.weight$")  # q_proj, kv_a_proj_with_mqa, experts' down_proj, ...
 _FLOAT_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -47,17 +50,6 @@ def float_dtype_code(config: Mapping[str, Any]) -> str:
     return _FLOAT_CODES[name]
 
 
-def _ignored(module: str, patterns: list[str]) -> bool:
-    """compressed-tensors' `ignore`: exact module names, or `re:<regex>` matched against the module name."""
-    return any(re.fullmatch(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
-
-
-def _divisible(name: str, size: int, by: int, what: str) -> int:
-    if size % by:
-        raise ValueError(f"tensor {name!r}: input width {size} is not a multiple of the {what} block {by}")
-    return size // by
-
-
 def checkpoint_layout(config: Mapping[str, Any]) -> list[tuple[TensorInfo, str]]:
     """[(TensorInfo, role)] of every tensor of an HF checkpoint of `config` (quantized or float), in the float
     layout's order (a quantized weight is followed by its scales). Roles: module docstring.
@@ -67,43 +59,22 @@ def checkpoint_layout(config: Mapping[str, Any]) -> list[tuple[TensorInfo, str]]
     """
     float_code = float_dtype_code(config)
     q = config.get("quantization_config") or {}
-    method = q.get("quant_method") if q else None
-    if method not in (None, "fp8", "mxfp4", "compressed-tensors"):
-        raise ValueError(f"checkpoint_layout: unsupported quant_method {method!r} (supported: fp8, mxfp4, "
-                         "compressed-tensors nvfp4)")
+    fmt = format_for_method(q.get("quant_method")) if q else None
+    if q and fmt is None:
+        raise ValueError(f"checkpoint_layout: unsupported quant_method {q.get('quant_method')!r} (supported: "
+                         f"{', '.join(m for f in FORMATS.values() for m in f.hf_methods)})")
     fused = set(family_of(config).fused_experts or ())
-    block = tuple(q.get("weight_block_size", (128, 128))) if method == "fp8" else None
-    ignore = list(q.get("ignore", [])) if method == "compressed-tensors" else []
     out: list[tuple[TensorInfo, str]] = []
     for name, shape in hf_tensor_shapes(config).items():
-        linear = len(shape) == 2 and _LINEAR.search(name) is not None
-        if method == "fp8" and linear:
-            out.append((TensorInfo(name, "F8_E4M3", shape), "fp8"))
-            grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
-            out.append((TensorInfo(name + "_scale_inv", "F32", grid), "scale_inv"))
-        elif method == "mxfp4" and name.rsplit(".", 1)[-1] in fused and not name.endswith("_bias"):
-            experts, width, outputs = shape  # float layout [E, in, out]
-            groups = _divisible(name, width, 32, "MXFP4")
-            out.append((TensorInfo(name + "_blocks", "U8", (experts, outputs, groups, 16)), "fp4"))
-            out.append((TensorInfo(name + "_scales", "U8", (experts, outputs, groups)), "e8m0"))
-        elif method == "compressed-tensors" and linear and not _ignored(name.removesuffix(".weight"), ignore):
-            rows, width = shape
-            groups = _divisible(name, width, 16, "NVFP4")
-            base = name.removesuffix(".weight")
-            out.append((TensorInfo(base + ".weight_packed", "U8", (rows, width // 2)), "fp4"))
-            out.append((TensorInfo(base + ".weight_scale", "F8_E4M3", (rows, groups)), "e4m3_scale"))
-            out.append((TensorInfo(base + ".weight_global_scale", "F32", (1,)), "global_scale"))
+        site = TensorSite(name, tuple(shape), linear=len(shape) == 2 and _LINEAR.search(name) is not None,
+                          fused_expert=name.rsplit(".", 1)[-1] in fused)
+        disk = fmt.disk_tensors(site, q) if fmt is not None else None
+        if disk is not None:
+            out.extend((TensorInfo(t.name, t.dtype, t.shape), t.role) for t in disk)
         else:
             code = "F32" if name.endswith("e_score_correction_bias") else float_code
             out.append((TensorInfo(name, code, shape), _init_kind(name)))
     return out
-
-
-_FLOATS = ("F32", "F16", "BF16")
-ALLOWED_DTYPES: dict[str, tuple[str, ...]] = {
-    "normal": _FLOATS, "ones": _FLOATS, "zeros": _FLOATS, "fp4": ("U8",), "e8m0": ("U8",), "fp8": ("F8_E4M3",),
-    "scale_inv": ("F32", "BF16"), "e4m3_scale": ("F8_E4M3", "U8"), "global_scale": ("F32",),
-}
 
 
 def _min_bytes(shape: tuple[int, ...], codes: tuple[str, ...]) -> int:

@@ -4,10 +4,10 @@
 
   float32 / bfloat16 kernel [E, K, N] ([in, out])       -> FLOAT32 / BFLOAT16, data as is
   float32 / bfloat16 rows [E, N, K] ([out, in], `rows`)  -> FLOAT32_ROWS / BFLOAT16_ROWS (an lm_head as stored)
-  Fp8BlockWeight [E, N, K] (`pallas_kernels.quant`)      -> FP8_BLOCK, e4m3 codes, scale_inv float32
-  Mxfp4Weight blocks [E, N, K/32, 16]                    -> MXFP4, codes uint8 [E, N, K/2], E8M0 scales
-  Nvfp4Weight packed [E, N, K/2]                         -> NVFP4, codes, e4m3 scales, global [E]
-                                                            (NVFP4_MUL: ModelOpt's multiplying global scale)
+  a packed container [E, N, K] (`pallas_kernels.quant`)  -> its format's `native_args`: FP8_BLOCK (e4m3 codes,
+                                                            float32 scale_inv), MXFP4 (codes uint8 [E, N, K/2],
+                                                            E8M0 scales), NVFP4 / NVFP4_MUL (codes, e4m3 scales,
+                                                            global [E]; MUL: ModelOpt's multiplying global)
 
 Every view is a reshape (no copy of the weight; e4m3 codes and scales go as they are, the kernels read their
 bytes). `unsupported(w)` says why a weight cannot go to
@@ -21,13 +21,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant import format_of
+from pallas_kernels.quant.formats import absent, fp8_block, mxfp4, nvfp4
+
 from ..quant import weights as quant_weights
 from ..validation import check_int
 
 __all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "weight_args",
            "unsupported", "empty", "check_max_workers"]
 
-FLOAT32, BFLOAT16, FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL, FLOAT32_ROWS, BFLOAT16_ROWS = range(8)
+FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
+# the packed formats' ids live in their format modules
+FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = fp8_block.NATIVE_ID, mxfp4.NATIVE_ID, nvfp4.NATIVE_ID, nvfp4.NATIVE_ID_MULTIPLIES
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MAX_WORKERS = 1 << 30
 
@@ -40,7 +45,7 @@ def check_max_workers(max_workers: Any, what: str) -> int:
 
 def empty() -> jax.Array:
     """The placeholder for an absent input (scale, global scale, bias)."""
-    return jnp.zeros((0,), jnp.float32)
+    return absent()
 
 
 def unsupported(w: Any) -> str | None:
@@ -62,11 +67,4 @@ def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, 
         if rows:
             return (FLOAT32_ROWS if w.dtype == jnp.float32 else BFLOAT16_ROWS), w, empty(), empty()
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()
-    if w.format == "fp8_block":
-        return FP8_BLOCK, w.weight, w.scale_inv.astype(jnp.float32), empty()
-    if w.format == "mxfp4":
-        blocks = w.blocks
-        return MXFP4, blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1]), w.scales, empty()
-    num_experts = w.packed.shape[0]
-    glob = jnp.broadcast_to(w.global_scale.astype(jnp.float32).reshape(-1), (num_experts,))
-    return (NVFP4_MUL if w.global_multiplies else NVFP4), w.packed, w.scale, glob
+    return format_of(w).native_args(w)

@@ -23,22 +23,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from pallas_kernels import quant_matmul
+from pallas_kernels.quant import FORMATS as _FORMAT_RECORDS
+from pallas_kernels.quant import format_of
 
 from ..core.host_memory import empty_aligned
 
 __all__ = ["FORMATS", "is_quantized", "check_format", "dense", "dequantize", "quantize", "to_jax", "stack",
            "logical_shape", "resident_bytes"]
 
-FORMATS = ("fp8_block", "mxfp4", "nvfp4")
+#: the packed weight formats' names (`pallas_kernels.quant.formats`, one module each)
+FORMATS = tuple(_FORMAT_RECORDS)
 
 
 def is_quantized(w: Any) -> bool:
-    """True for a quantized-weight container (duck-typed: a `format` string and `dequantize`; jax.Array has a
-    non-string `format` attribute)."""
-    fmt = getattr(w, "format", None)
-    return isinstance(fmt, str) and fmt in FORMATS and callable(getattr(w, "dequantize", None))
+    """True for a quantized-weight container (one of the formats' containers)."""
+    return format_of(w) is not None
 
 
 def check_format(weight_format: str | None, what: str = "weight_format") -> str | None:
@@ -68,9 +68,7 @@ def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
 def quantize(w: jax.Array, weight_format: str) -> Any:
     """float w [..., out, in] -> the container of `weight_format` (round to nearest; for tests and random init)."""
     check_format(weight_format)
-    fn = {"fp8_block": pallas_kernels.quantize_fp8_block, "mxfp4": pallas_kernels.quantize_mxfp4,
-          "nvfp4": pallas_kernels.quantize_nvfp4}[weight_format]
-    return fn(w)
+    return _FORMAT_RECORDS[weight_format].quantize(w)
 
 
 def to_jax(a: Any, dtype: Any) -> Any:

@@ -1,0 +1,94 @@
+"""Every registered weight format's record is consistent: the quantizer makes its container, the on-disk tensors
+it describes are the container's arrays, the reader finds them again under the unquantized name, and the reader's
+container dequantizes bit for bit like the NumPy reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.quant import FORMATS, format_for_method, format_of
+from pallas_kernels.quant.formats import TensorSite
+
+CODES = {"U8": np.dtype(np.uint8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F32": np.dtype(np.float32)}
+EXPERTS, OUT, IN = 2, 48, 64
+
+
+def _config(fmt) -> dict:
+    method = fmt.hf_methods[0]
+    return {"quant_method": method, **({"format": "nvfp4-pack-quantized"} if method == "compressed-tensors" else {})}
+
+
+def _site_and_weight(fmt, rng):
+    """A tensor of the float checkpoint layout the format stores quantized, and the [.., out, in] weight."""
+    if fmt.name == "mxfp4":  # fused expert weights, float layout [E, in, out]
+        w = rng.standard_normal((EXPERTS, OUT, IN)).astype(np.float32)
+        return TensorSite("model.layers.0.mlp.experts.down_proj", (EXPERTS, IN, OUT), linear=False,
+                          fused_expert=True), w
+    w = rng.standard_normal((OUT, IN)).astype(np.float32)
+    return TensorSite("model.layers.0.mlp.down_proj.weight", (OUT, IN), linear=True, fused_expert=False), w
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_format_record_round_trip(name):
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(0)
+    site, w = _site_and_weight(fmt, rng)
+    q = _config(fmt)
+    assert format_for_method(q["quant_method"]) is fmt
+    fmt.check_hf_config(q)
+
+    container = fmt.quantize(jnp.asarray(w))
+    assert type(container) is fmt.container and container.format == fmt.name and format_of(container) is fmt
+    assert tuple(container.shape) == w.shape
+    # round to nearest: every value within half a step of the largest one's grid
+    err = np.abs(np.asarray(container.dequantize()) - w).max()
+    assert err < 0.5 * np.abs(w).max(), err
+
+    disk = fmt.disk_tensors(site, q)
+    leaves = [np.asarray(a) for a in jax.tree_util.tree_leaves(container)]
+    assert [t.shape for t in disk] == [a.shape for a in leaves]
+    assert [CODES[t.dtype] for t in disk] == [a.dtype for a in leaves]
+    assert all(t.role in fmt.roles and t.dtype in fmt.roles[t.role] for t in disk)
+    tensors = {t.name: a for t, a in zip(disk, leaves)}
+
+    found = [p for p in (fmt.find_parts(n, tensors) for n in tensors) if p is not None]
+    assert len(found) == 1
+    parts = found[0]
+    assert parts.base == site.name and set(parts.names) == set(tensors)
+    arrays = [tensors[n] for n in parts.names]
+    read = fmt.from_parts(parts, arrays, q)
+    reference = fmt.dequantize_numpy(parts, arrays, q)  # the float checkpoint's layout
+    got = np.asarray(read.dequantize())
+    if site.fused_expert:
+        got = np.swapaxes(got, -1, -2)
+    assert reference.shape == site.shape
+    np.testing.assert_array_equal(got, reference)  # bit for bit
+
+    for t in disk:
+        rule = fmt.byte_nonfinite(t.name) if t.dtype == "U8" else None
+        assert (rule is not None) == (t.role in ("e8m0", "e4m3_scale") and t.dtype == "U8"), (t, rule)
+
+    native_id = fmt.native_args(jax.tree_util.tree_map(lambda a: a[None], container)
+                                if not site.fused_expert else container)[0]
+    assert isinstance(native_id, int) and native_id >= 2
+
+
+def test_a_site_the_format_does_not_quantize_stays_float():
+    for fmt in FORMATS.values():
+        norm = TensorSite("model.layers.0.input_layernorm.weight", (OUT,), linear=False, fused_expert=False)
+        assert fmt.disk_tensors(norm, _config(fmt)) is None
+
+
+def test_reader_rejects_parts_that_do_not_fit():
+    fmt = FORMATS["nvfp4"]
+    names = {"x.weight_packed": np.zeros((4, 8), np.uint8), "x.weight_scale": np.zeros((4, 3), ml_dtypes.float8_e4m3fn),
+             "x.weight_global_scale": np.ones((1,), np.float32)}
+    parts = fmt.find_parts("x.weight_packed", names)
+    with pytest.raises(ValueError, match=r"weight_scale shape \(4, 3\) does not fit weight_packed \(4, 8\)"):
+        fmt.from_parts(parts, [names[n] for n in parts.names], {})
+    with pytest.raises(ValueError, match="lacks"):
+        fmt.find_parts("y.weight_packed", {"y.weight_packed": None})
