@@ -180,10 +180,10 @@ def test_decode_step_compiles_once(model):
     _run(batcher, [[Request(p, 5)] for p in _prompts([12, 3, 16], seed=6)])
     assert (TRACES["decode"] - before[0], TRACES["prefill"] - before[1]) == (1, 1)
 
+    prompts = _prompts([3, 9, 5], seed=7)
+    refs = _references(model, prompts, 8)  # before counting: `generate` runs the same (counted) decode step
     batcher = ContinuousBatcher(model, max_batch_size=5, max_len=24, row_buckets=True)
     before = TRACES["decode"]
-    prompts = _prompts([3, 9, 5], seed=7)
-    refs = _references(model, prompts, 8)
     for _ in range(2):  # rows 0 (1 row runs), 0-1 (2 run), 0-3 (4 run), 0-4 (5: all, compiled above)
         reqs = [Request(p, 8) for p in prompts] + [Request([1], 6), Request([2], 4), Request([5], 4)]
         _run(batcher, [[reqs[0]], [reqs[1]], reqs[2:4], reqs[4:]])

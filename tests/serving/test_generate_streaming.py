@@ -27,13 +27,13 @@ def greedy(model, prompts):
 def decode_calls(monkeypatch):
     """Counts the decode-step dispatches of the host loop (the prefill is step 0)."""
     calls = []
-    real = gen_module._decode
+    real = gen_module.decode_step
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen_module, "_decode", counting)
+    monkeypatch.setattr(gen_module, "decode_step", counting)
     return calls
 
 

@@ -28,11 +28,13 @@ that step's token; its cache row is zeroed (masked NaN values would still poison
 and the other rows run on. `add` checks a request's sampling parameters with `sampling.check_sampling` (the
 rules of `generate` and the server), and that prompt + max_new_tokens fits the model's context.
 
-Shapes are static: the decode step compiles once per engine shape (row_buckets: once per power of two up to
-max_batch_size), the prefill once per (group size, bucket).
+The prefill and decode steps are those of `generate` (`steps.prefill_body`, `steps.decode_step`: model forward,
+finite check, logit bias, sampler), with each row's own cache index and no left padding. Shapes are static:
+the decode step compiles once per engine shape (row_buckets: once per power of two up to max_batch_size), the
+prefill once per (group size, bucket).
 Greedy rows equal offline `generate` on the same prompt. Sampling is per row (temperature / top_k / top_p /
-logit bias arrays): token n of a request uses fold_in(fold_in(key(seed), sample_id), n), so a seeded request gives the
-same tokens whatever else runs beside it.
+logit bias arrays): token n of a request uses fold_in(fold_in(key(seed), sample_id), n), so a seeded request
+gives the same tokens whatever else runs beside it.
 """
 
 from __future__ import annotations
@@ -48,16 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models.layer_programs import ModelStep
-from ..models.layers import AttnContext
-from .generate import finite_rows, sample_step
-from .sampling import (MAX_LOGIT_BIAS, NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays,
-                       model_context)
+from .sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, model_context
+from .steps import TRACES, RowSampling, decode_step, prefill_body, row_sampling, sampling_arrays, trim_bias
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
-
-# how many times each jitted body was traced (= compiled): "decode", "prefill" (a model with per-layer programs
-# runs the bodies unjitted: every run counts)
-TRACES: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,47 +89,19 @@ def prompt_bucket(length: int, max_len: int, minimum: int = 16) -> int:
     return min(max_len, max(minimum, 1 << (length - 1).bit_length()))
 
 
-def _sample(logits: jax.Array, sampling: tuple) -> jax.Array:
-    """Next tokens [B] from logits [B, V] (`generate.sample_step`); sampling = (seeds, sample_ids, steps,
-    temperature, top_k, top_p, bias_ids, biases): each [B], the logit bias [B, K] (K = 0 when no row has one:
-    the plain program)."""
-    seeds, sample_ids, steps, temperature, top_k, top_p, bias_ids, biases = sampling
-    return sample_step(logits, steps, (seeds, sample_ids, temperature, top_k, top_p), (bias_ids, biases))
-
-
-def _prefill_body(apply, params, ids, lengths, rows, cache, sampling):
-    """Prefills ids [G, Tb] (each row's prompt right-padded; lengths [G]) on a fresh [G, Tb] cache, writes its
-    slots 0 .. Tb-1 into the big cache's rows `rows` [G] (an out-of-range row: dropped, for padding groups) and
-    samples each row's first token: (tokens [G], finite [G], cache)."""
-    TRACES["prefill"] += 1
+def _prefill_rows_body(apply, params, ids, lengths, rows, cache, sampling):
+    """Prefills ids [G, Tb] (each row's prompt right-padded; lengths [G]) on a fresh [G, Tb] cache
+    (`steps.prefill_body`: the first tokens [G] and their finite flags [G]), then writes its slots 0 .. Tb-1
+    into the big cache's rows `rows` [G] (an out-of-range row: dropped, for padding groups): (tokens [G],
+    finite [G], cache)."""
     G, Tb = ids.shape
     small = jax.tree.map(lambda c: jnp.zeros((G, c.shape[1], Tb) + c.shape[3:], c.dtype), cache)  # [G, H, Tb, D]
-    positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (G, Tb))
-    # right padding: a real token never sees the padding after it (causal), so every slot may be "valid"
-    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.ones((G, Tb), bool))
-    logits, small = apply(params, ids, ctx, small, logits_at=lengths - 1)
-    last = logits[:, 0]  # [G, V]: each row's last prompt token
+    toks, ok, _, small = prefill_body(apply, params, ids, small, sampling, last_at=lengths - 1)
     cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
-    return _sample(last, sampling), finite_rows(last), cache
+    return toks, ok, cache
 
 
-def _decode_body(apply, params, tok, index, cache, sampling):
-    """One decode step over the cache's first R rows (R = len(tok) <= B): feeds tok [R] at each row's own slot
-    index [R] (= its RoPE position) and samples the next tokens: (tokens [R], finite [R], cache [B, ...])."""
-    TRACES["decode"] += 1
-    R, (B, _, L) = tok.shape[0], jax.tree.leaves(cache)[0].shape[:3]  # cache leaves [B, H, L, D]
-    ctx = AttnContext(index[:, None], index, jnp.ones((R, L), bool))
-    if R == B:
-        logits, cache = apply(params, tok[:, None], ctx, cache)
-    else:  # the rows past R are all free: leave them out of the step
-        logits, sub = apply(params, tok[:, None], ctx, jax.tree.map(lambda c: c[:R], cache))
-        cache = jax.tree.map(lambda c, s: jax.lax.dynamic_update_slice_in_dim(c, s, 0, axis=0), cache, sub)
-    last = logits[:, -1]
-    return _sample(last, sampling), finite_rows(last), cache
-
-
-_prefill = ModelStep(_prefill_body)
-_decode = ModelStep(_decode_body)
+_prefill_rows = ModelStep(_prefill_rows_body)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -142,54 +110,33 @@ def _zero_row(cache, row):
     return jax.tree.map(lambda c: c.at[row].set(0), cache)
 
 
+def _request_sampling(req: Request | None) -> tuple:
+    """A request's `row_sampling` (None: a free row or a padding entry, greedy)."""
+    if req is None:
+        return row_sampling(0, 0, 0.0, None, None, None)
+    return row_sampling(req.seed, req.sample_id, req.temperature, req.top_k, req.top_p, req.logit_bias)
+
+
 class _Rows:
     """Host-side per-row state [B] of the running requests (free rows: zeros, greedy)."""
 
     def __init__(self, B: int):
         self.tok = np.zeros(B, np.int32)        # the last sampled token, fed by the next decode step
         self.index = np.zeros(B, np.int32)      # the slot that token goes to
-        self.seed = np.zeros(B, np.uint32)
-        self.sample_id = np.zeros(B, np.int32)
-        self.temperature = np.zeros(B, np.float32)
-        self.top_k = np.zeros(B, np.int32)
-        self.top_p = np.ones(B, np.float32)
-        self.bias_ids = np.zeros((B, MAX_LOGIT_BIAS), np.int32)  # logit bias (unused entries: bias 0)
-        self.biases = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
-        self.biased = np.zeros(B, bool)
+        self.sampling = sampling_arrays([_request_sampling(None)] * B)
 
-    def set(self, r: int, req: Request):
-        self.seed[r] = req.seed % (1 << 32)
-        self.sample_id[r] = req.sample_id
-        self.temperature[r] = req.temperature
-        self.top_k[r] = req.top_k or 0
-        self.top_p[r] = 1.0 if req.top_p is None else req.top_p
-        self.biased[r] = bool(req.logit_bias)
-        self.bias_ids[r], self.biases[r] = logit_bias_arrays(req.logit_bias or {})
+    def set(self, r: int, req: Request | None):
+        """Row r's sampling parameters: those of req (None: a free row)."""
+        for col, value in zip(self.sampling, _request_sampling(req)):
+            col[r] = value
 
     def clear(self, r: int):
-        self.tok[r] = self.index[r] = self.seed[r] = self.sample_id[r] = self.top_k[r] = 0
-        self.temperature[r], self.top_p[r] = 0.0, 1.0
-        self.bias_ids[r], self.biases[r], self.biased[r] = 0, 0.0, False
+        self.tok[r] = self.index[r] = 0
+        self.set(r, None)
 
-    def bias(self, R: int) -> tuple[np.ndarray, np.ndarray]:
-        """The logit bias of the first R rows: [R, MAX_LOGIT_BIAS], or [R, 0] when none of them has one."""
-        if self.biased[:R].any():
-            return self.bias_ids[:R], self.biases[:R]
-        return np.zeros((R, 0), np.int32), np.zeros((R, 0), np.float32)
-
-
-def _sampling_of(reqs: Sequence[Request | None]) -> tuple:
-    """Sampling arrays [G] of requests (None: a padding entry, greedy), each at its next token's step."""
-    def col(f, dtype):
-        return np.array([0 if r is None else f(r) for r in reqs], dtype)
-    width = MAX_LOGIT_BIAS if any(r is not None and r.logit_bias for r in reqs) else 0
-    bias = [logit_bias_arrays((r.logit_bias or {}) if r is not None else {}, width) for r in reqs]
-    return (col(lambda r: r.seed % (1 << 32), np.uint32), col(lambda r: r.sample_id, np.int32),
-            col(lambda r: len(r.tokens), np.int32), col(lambda r: r.temperature, np.float32),
-            col(lambda r: r.top_k or 0, np.int32),
-            np.array([1.0 if r is None or r.top_p is None else r.top_p for r in reqs], np.float32),
-            np.stack([b[0] for b in bias]).reshape(len(reqs), width),
-            np.stack([b[1] for b in bias]).reshape(len(reqs), width))
+    def sampling_of(self, R: int) -> RowSampling:
+        """The sampling arrays of the first R rows (`steps.trim_bias`)."""
+        return trim_bias(RowSampling(*(col[:R] for col in self.sampling)))
 
 
 class ContinuousBatcher:
@@ -296,11 +243,11 @@ class ContinuousBatcher:
         for g, req in enumerate(reqs):
             ids[g, :len(req.prompt)] = req.prompt
             lengths[g], rows[g] = len(req.prompt), req.row
-        padded = list(reqs) + [None] * (G - len(reqs))
+        sampling = trim_bias(sampling_arrays([_request_sampling(r) for r in reqs + [None] * (G - len(reqs))]))
         # NumPy arguments go to the jitted function as they are (cheaper than one device_put each); the host
         # state they may alias is only changed after the step's tokens have been read back
-        toks, ok, self.cache = _prefill(self.model.forward_fn, self.model.params, ids, lengths, rows, self.cache,
-                                        _sampling_of(padded))
+        toks, ok, self.cache = _prefill_rows(self.model.forward_fn, self.model.params, ids, lengths, rows,
+                                             self.cache, sampling)
         self.prefills += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for g, req in enumerate(reqs) if self._deliver(req, int(toks[g]), bool(ok[g]))]
@@ -316,9 +263,8 @@ class ContinuousBatcher:
     def _decode_step(self) -> list[Request]:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
-        sampling = (s.seed[:R], s.sample_id[:R], steps, s.temperature[:R], s.top_k[:R], s.top_p[:R], *s.bias(R))
-        toks, ok, self.cache = _decode(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
-                                       self.cache, sampling)
+        toks, ok, _, self.cache = decode_step(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
+                                              steps, self.cache, s.sampling_of(R))
         self.decode_steps += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for req in list(self.slots)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .api_errors import APIError, bad_request, generation_error
 from .continuous import ContinuousBatcher, Request
-from .generate import generate
+from .generate import generate, left_pad
 from .server_config import ServerConfig
 from .tokenizer import IncrementalDecoder, TextCodec
 
@@ -238,14 +238,8 @@ class Engine(_Worker):
         rows = [_Row(j, k, self.codec) for j in batch for k in range(len(j.prompts) * j.n)]
         prompts = [p for j in batch for p in j.prompts for _ in range(j.n)]
         B = 1 << (len(prompts) - 1).bit_length()  # pad rows to a power of two
-        B = max(B, len(prompts))
         T = -(-max(len(p) for p in prompts) // 16) * 16
-        ids = np.full((B, T), self.pad, np.int32)
-        mask = np.zeros((B, T), np.int32)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = p
-            mask[b, T - len(p):] = 1
-        mask[len(prompts):, -1] = 1  # dummy rows: one pad token
+        ids, mask, _ = left_pad(prompts + [[self.pad]] * (B - len(prompts)), self.pad, T)  # dummy rows: one pad
         N = max(j.max_tokens for j in batch)
         j0 = batch[0]
         seed = j0.seed if j0.seed is not None else int.from_bytes(os.urandom(4), "little")

@@ -1,4 +1,5 @@
-"""Autoregressive generation with a static KV cache: one jitted prefill, one jitted decode step.
+"""Autoregressive generation with a static KV cache: a host loop over one jitted prefill and one jitted decode
+step, the steps of continuous batching (`steps.prefill_step`, `steps.decode_step`), or all steps on device.
 
 Prompts of different lengths are left-aligned internally: each row is shifted so its real tokens end at the
 last prompt column (left padding); RoPE positions count real tokens only and padding slots are masked out of
@@ -6,9 +7,9 @@ every attention, so a row's result equals that prompt run alone. The cache lengt
 (prompt columns + max_new_tokens, rounded up to `cache_multiple`), so the decode step compiles once.
 
 Greedy by default; `temperature > 0` samples (seeded), optionally restricted by top_k / top_p; `logit_bias`
-({token id: bias in [-100, 100]}) is added to every step's logits before either. The sampler is the one of
-continuous batching (`sample_step`): row b's token n uses the key fold_in(fold_in(key(seed), b), n), so
-`generate` and a `continuous.Request(seed=seed, sample_id=b)` sample alike.
+({token id: bias in [-100, 100]}) is added to every step's logits before either. Row b's token n uses the key
+fold_in(fold_in(key(seed), b), n) (`steps.row_keys`), so `generate` and a
+`continuous.Request(seed=seed, sample_id=b)` sample alike.
 
 Sampling parameters are checked by `sampling.check_sampling` (the rules the server applies too): temperature
 finite and >= 0, top_p in (0, 1], top_k >= 0, max_new_tokens >= 1 and, when the model's config gives its
@@ -33,12 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.layer_programs import ModelStep
-from ..models.layers import AttnContext
-from .sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, logit_bias_arrays, model_context
+from .sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, model_context
+from .steps import (add_logit_bias, decode_body, decode_step, finite_rows, prefill_body, prefill_step, row_keys,
+                    row_sampling, sample_rows, sample_step, sampling_arrays, trim_bias)
 
+# the sampler's names stay importable from here
 __all__ = ["GenerationResult", "NonFiniteLogitsError", "add_logit_bias", "finite_rows", "generate", "left_align",
-           "row_keys", "sample_rows", "sample_step"]
+           "left_pad", "row_keys", "sample_rows", "sample_step"]
 
 
 @dataclasses.dataclass
@@ -56,6 +58,18 @@ class GenerationResult:
     completion_lengths: np.ndarray | None = None
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0, width: int | None = None,
+             dtype: Any = np.int32):
+    """(ids [B, T], mask [B, T] bool, lengths [B]) of prompts (token id sequences) placed at the end of T =
+    `width` (default: the longest prompt) columns, the columns before them pad_token_id (left padding)."""
+    lengths = np.array([len(p) for p in prompts], np.int64)
+    T = int(lengths.max()) if width is None else width
+    ids = np.full((len(prompts), T), pad_token_id, dtype)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = p
+    return ids, np.arange(T)[None, :] >= (T - lengths)[:, None], lengths
+
+
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray | None, pad_token_id: int = 0):
     """(ids [B, T] left-padded, mask [B, T] bool, lengths [B]) from a left- or right-padded batch.
 
@@ -66,114 +80,26 @@ def left_align(input_ids: np.ndarray, attention_mask: np.ndarray | None, pad_tok
     mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
-    B, T = ids.shape
-    lengths = mask.sum(1)
-    if (lengths == 0).any():
+    if (mask.sum(1) == 0).any():
         raise ValueError("every prompt needs at least one token (a row of attention_mask is all zeros)")
-    out = np.full_like(ids, pad_token_id)
-    for b in range(B):
+    rows = []
+    for b in range(ids.shape[0]):
         pos = np.flatnonzero(mask[b])
         if pos[-1] - pos[0] + 1 != len(pos):
             raise ValueError(f"row {b}: attention_mask tokens are not contiguous (use left or right padding)")
-        out[b, T - len(pos):] = ids[b, pos]
-    return out, np.arange(T)[None, :] >= (T - lengths)[:, None], lengths
-
-
-def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> jax.Array:
-    """The one sampler: next tokens [B] int32 from logits [B, V], each row with its own parameters.
-
-    keys [B] (one PRNG key per row, `row_keys`), temperature [B] float (0: argmax), top_k [B] int (<= 0: off),
-    top_p [B] float (>= 1: off): a sample of softmax(logits / temperature) restricted to the top_k tokens and
-    the top_p nucleus. A row's token depends only on its own logits, key and parameters (never on the other
-    rows), so a row can be reproduced from its seed whatever batch it runs in."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        V = logits.shape[-1]
-        neg = jnp.finfo(jnp.float32).min
-        temp = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-        x = logits.astype(jnp.float32) / temp[:, None]
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.int32)
-        kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
-        x = jnp.where(x < kth, neg, x)
-        sorted_x = jnp.where(sorted_x < kth, neg, sorted_x)  # the top-k (ties kept), still sorted
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        cutoff = jnp.min(jnp.where(before < top_p[:, None], sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where((top_p[:, None] < 1.0) & (x < cutoff), neg, x)
-        tok = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x).astype(jnp.int32)
-        return jnp.where(temperature > 0, tok, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
-
-
-def row_keys(seeds: jax.Array, sample_ids: jax.Array, steps: jax.Array) -> jax.Array:
-    """One PRNG key per row [B]: fold_in(fold_in(key(seed), sample_id), step)."""
-    def one(seed, sid, step):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sid), step)
-    return jax.vmap(one)(seeds, sample_ids, steps)
-
-
-def sample_step(logits: jax.Array, steps: jax.Array, sampling: tuple,
-                bias: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Next tokens [B] of one step: logits [B, V] plus the logit bias, sampled by `sample_rows` with the keys of
-    `row_keys` at `steps` [B]; sampling = (seeds, sample_ids, temperature, top_k, top_p), each [B]."""
-    seeds, sample_ids, temperature, top_k, top_p = sampling
-    return sample_rows(add_logit_bias(logits, bias), row_keys(seeds, sample_ids, steps), temperature, top_k, top_p)
-
-
-def finite_rows(logits: jax.Array) -> jax.Array:
-    """[B] bool: whether each row of logits [B, V] is finite (one reduction; read back with the tokens)."""
-    return jnp.isfinite(logits).all(axis=-1)
-
-
-def add_logit_bias(logits: jax.Array, bias: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-    """logits [B, V] plus a logit bias: None (unchanged), (ids [K], biases [K]) for every row or (ids [B, K],
-    biases [B, K]) per row (unused entries: bias 0); float32 where a bias is added."""
-    if bias is None or bias[0].shape[-1] == 0:
-        return logits
-    ids, vals = bias
-    rows = jnp.arange(logits.shape[0])[:, None]
-    ids = jnp.broadcast_to(ids, (logits.shape[0], ids.shape[-1]))
-    vals = jnp.broadcast_to(vals, ids.shape)
-    return logits.astype(jnp.float32).at[rows, ids].add(vals)
-
-
-def _prefill_body(apply, params, ids, positions, key_valid, cache, sampling, bias=None):
-    """Step 0: (tokens [B], finite [B], last logits [B, V], cache)."""
-    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), key_valid)
-    logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((ids.shape[0],), ids.shape[1] - 1))
-    last = logits[:, -1]
-    steps = jnp.zeros((ids.shape[0],), jnp.int32)
-    return sample_step(last, steps, sampling, bias), finite_rows(last), last, cache
-
-
-def _decode_body(apply, params, tok, index, step, pad, key_valid, cache, sampling, bias=None):
-    """Decode step `step` (feeding tok at cache index `index`): (tokens [B], finite [B], last logits [B, V],
-    cache)."""
-    positions = (index - pad)[:, None].astype(jnp.int32)
-    logits, cache = apply(params, tok[:, None], AttnContext(positions, index, key_valid), cache)
-    last = logits[:, -1]
-    steps = jnp.full((tok.shape[0],), step, jnp.int32)
-    return sample_step(last, steps, sampling, bias), finite_rows(last), last, cache
-
-
-_prefill = ModelStep(_prefill_body, static_argnames=("apply",))
-_decode = ModelStep(_decode_body, static_argnames=("apply",))
+        rows.append(ids[b, pos])
+    return left_pad(rows, pad_token_id, ids.shape[1], ids.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("apply", "num_steps"))
-def _generate_on_device(apply, params, ids, positions, pad, key_valid, cache, sampling, num_steps, bias=None):
+def _generate_on_device(apply, params, ids, pad, cache, sampling, num_steps):
     """Prefill + lax.scan over the decode steps in one program: (tokens [B, N], finite [B, N], logits [B, N, V])."""
     T = ids.shape[1]
-    tok, ok, last, cache = _prefill_body(apply, params, ids, positions, key_valid, cache, sampling, bias)
+    tok, ok, last, cache = prefill_body(apply, params, ids, cache, sampling, pad)
 
     def step(carry, i):
         tok, cache = carry
-        tok, ok, last, cache = _decode_body(apply, params, tok, T + i - 1, i, pad, key_valid, cache, sampling,
-                                            bias)
+        tok, ok, last, cache = decode_body(apply, params, tok, T + i - 1, i, cache, sampling, pad)
         return (tok, cache), (tok, ok, last)
 
     steps = jnp.arange(1, num_steps, dtype=jnp.int32)
@@ -281,33 +207,28 @@ def generate(model: Any, input_ids, max_new_tokens: int, *, attention_mask=None,
     config = getattr(model, "config", None)
     vocab = config.get("vocab_size") if isinstance(config, dict) else None
     bias_map = check_logit_bias(logit_bias, vocab if isinstance(vocab, int) else None)
-    # the fixed width: one compile whatever the number of biased tokens
-    bias = tuple(jnp.asarray(a) for a in logit_bias_arrays(bias_map)) if bias_map else None
     B, T = ids.shape
     stops = _stop_ids(eos_token_id, stop_token_ids)
     limits = _row_limits(max_new_tokens_per_row, B, max_new_tokens)
     L = -(-(T + max_new_tokens) // cache_multiple) * cache_multiple
     pad = jnp.asarray(T - lengths, jnp.int32)
-    key_valid = jnp.arange(L)[None, :] >= pad[:, None]  # padding slots; unwritten slots are masked causally
-    positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
     apply = model.forward_fn
-    # row b samples token n with the key fold_in(fold_in(key(seed), b), n) (`row_keys`)
-    sampling = (jnp.full((B,), seed % (1 << 32), jnp.uint32), jnp.arange(B, dtype=jnp.int32),
-                jnp.full((B,), params.temperature, jnp.float32), jnp.full((B,), params.top_k or 0, jnp.int32),
-                jnp.full((B,), 1.0 if params.top_p is None else params.top_p, jnp.float32))
+    # row b samples token n with the key fold_in(fold_in(key(seed), b), n) (`row_keys`); the logit bias has a
+    # fixed width (one compile whatever the number of biased tokens)
+    rows = [row_sampling(seed, b, params.temperature, params.top_k, params.top_p, bias_map) for b in range(B)]
+    sampling = jax.device_put(trim_bias(sampling_arrays(rows)))
     ids_j, cache = jnp.asarray(ids, jnp.int32), model.init_cache(B, L)
     if on_device:
-        tokens, ok, logits = _generate_on_device(apply, model.params, ids_j, positions, pad, key_valid, cache,
-                                                 sampling, max_new_tokens, bias)
+        tokens, ok, logits = _generate_on_device(apply, model.params, ids_j, pad, cache, sampling, max_new_tokens)
         raw, logits = np.asarray(tokens, np.int32), (np.asarray(logits) if return_logits else None)
         used = np.arange(max_new_tokens)[None, :] < _mask_finished(raw, stops, limits, pad_token_id)[1][:, None]
         _check_finite(np.asarray(ok) | ~used)  # the steps after a row finished only pad the result
     else:
         def step(tok, i, cache):  # decode step i (>= 1): feeds step i-1's tokens at cache index T + i - 1
-            return _decode(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32), jnp.asarray(i, jnp.int32),
-                           pad, key_valid, cache, sampling, bias)
+            return decode_step(apply, model.params, tok, jnp.asarray(T + i - 1, jnp.int32),
+                               jnp.asarray(i, jnp.int32), cache, sampling, pad)
 
-        first = _prefill(apply, model.params, ids_j, positions, key_valid, cache, sampling, bias)
+        first = prefill_step(apply, model.params, ids_j, cache, sampling, pad)
         if stream_callback is None and len(stops) == 0 and max_new_tokens_per_row is None:
             raw, logits = _run_all(step, first, max_new_tokens, return_logits)
         else:
