@@ -1,0 +1,326 @@
+"""tutel-jax against llama.cpp on one CPU: the same generated checkpoint, the same threads, side by side.
+
+    python benchmarks/vs_llamacpp.py [--model gpt-oss-20b] [--threads N] [--rounds 3] [--work-dir D]
+    python benchmarks/vs_llamacpp.py --quick      # the CI smoke test: the tutel-jax half on the tiny layout
+
+Every step is cached in --work-dir (default `$TUTEL_JAX_CACHE/vs_llamacpp`, else `~/.cache/tutel_jax/vs_llamacpp`,
+outside the repository):
+  llama.cpp   the `llama-cpp-python` source distribution at LLAMA_CPP_PYTHON (from the package registry; it
+              vendors llama.cpp, whose commit its changelog names), built with cmake + ninja and
+              `-DGGML_NATIVE=ON`: llama-bench and llama-batched-bench;
+  converter   a virtual environment with llama.cpp's converter requirements (PyTorch CPU, transformers,
+              sentencepiece, protobuf, the vendored gguf-py);
+  checkpoint  `benchmarks/make_real_size.py`'s model (random weights in the released layout);
+  GGUF        llama.cpp's own `convert_hf_to_gguf.py`, unpatched, on a view of the checkpoint (its files linked)
+              whose tokenizer is GPT-2's BPE vocabulary read from llama.cpp's own `models/ggml-vocab-gpt-2.gguf`:
+              the converter identifies a BPE pre-tokenizer by hashing its tokens of a test text, and knows
+              GPT-2's. Neither benchmark tokenizes text, so the vocabulary changes no number.
+  rounds      interleaved, --rounds of them: llama.cpp (llama-bench: `-p 512` prefill and `-n 64` decode at
+              batch 1; llama-batched-bench: 8 parallel sequences for decode at batch 8), then tutel-jax (one
+              child process: `from_pretrained(dtype=bfloat16)`, a 512-token prefill, 64 greedy decode steps at
+              batch 1 and 16 at batch 8, after compiling runs). Both run pinned to the same --threads CPUs
+              (llama.cpp with `-t` threads, XLA's pool on those CPUs), with the same environment. Each child's
+              peak RSS comes from wait4.
+The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
+5). `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1 (`real_size.decode_bytes`) x tok/s /
+the read bandwidth. Medians over rounds. Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine_info, markdown_table, write_json, write_text  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"  # its changelog names the vendored llama.cpp commit
+CONVERTER_REQUIREMENTS = ("torch==2.13.0+cpu", "transformers", "sentencepiece", "protobuf<5", "safetensors", "numpy")
+PROMPT, DECODE_B1, DECODE_B8, BATCH = 512, 64, 16, 8
+QUICK_PROMPT, QUICK_DECODE = 32, 4
+METRICS = ("decode_b1_tok_s", "prefill_512_tok_s", "decode_b8_tok_s", "peak_rss_bytes", "load_seconds")
+
+
+def default_work_dir() -> Path:
+    base = os.environ.get("TUTEL_JAX_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "tutel_jax") / "vs_llamacpp"
+
+
+def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done
+
+
+# ----------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llama_cpp_source(work: Path) -> tuple[Path, str]:
+    """(the vendored llama.cpp directory, its commit) of the pinned llama-cpp-python sdist, downloaded once."""
+    src = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    if not src.exists():
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(work),
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}"])
+        with tarfile.open(work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
+            tar.extractall(work, filter="data")
+    changelog = (src / "CHANGELOG.md").read_text()
+    section = changelog.split(f"## [{LLAMA_CPP_PYTHON}]", 1)[1].split("\n## [", 1)[0]
+    match = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section)
+    if match is None:
+        raise RuntimeError(f"the changelog of llama-cpp-python {LLAMA_CPP_PYTHON} names no llama.cpp commit")
+    return src / "vendor" / "llama.cpp", match.group(1)
+
+
+def build_llama_cpp(work: Path, llama: Path, commit: str) -> Path:
+    """The directory of the built llama-bench and llama-batched-bench (built once)."""
+    build = work / "build"
+    if not (build / "bin" / "llama-batched-bench").exists():
+        _run(["cmake", "-S", str(llama), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_COMMIT={commit}"])
+        _run(["ninja", "-C", str(build), "llama-bench", "llama-batched-bench"])
+    return build / "bin"
+
+
+def converter_python(work: Path, llama: Path) -> Path:
+    """The Python of the converter's virtual environment (made once)."""
+    venv = work / "converter-venv"
+    python = venv / "bin" / "python"
+    if not (venv / "done").exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+        _run([str(python), "-m", "pip", "install", "-q", *CONVERTER_REQUIREMENTS, str(llama / "gguf-py")])
+        (venv / "done").write_text("")
+    return python
+
+
+_GPT2_TOKENIZER = """
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/gguf-py")
+from gguf import GGUFReader
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+fields = GGUFReader(sys.argv[1] + "/models/ggml-vocab-gpt-2.gguf").fields
+def strings(name):
+    return [bytes(fields[name].parts[i]).decode("utf-8") for i in fields[name].data]
+vocab = {t: i for i, t in enumerate(strings("tokenizer.ggml.tokens"))}
+merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
+tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.post_processor = processors.ByteLevel(trim_offsets=False)
+tok.save(sys.argv[2] + "/tokenizer.json")
+json.dump({"tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+          open(sys.argv[2] + "/tokenizer_config.json", "w"))
+"""
+
+
+def convert_to_gguf(work: Path, llama: Path, python: Path, model_dir: Path) -> Path:
+    """model_dir converted by llama.cpp's converter (module docstring), once: the GGUF file."""
+    out = work / f"{model_dir.name}.gguf"
+    if out.exists():
+        return out
+    view = work / f"{model_dir.name}-view"
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir()
+    for f in model_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (view / f.name).symlink_to(f.resolve())
+    _run([str(python), "-c", _GPT2_TOKENIZER, str(llama), str(view)])
+    partial = out.with_suffix(".partial")
+    _run([str(python), str(llama / "convert_hf_to_gguf.py"), str(view), "--outfile", str(partial)])
+    partial.rename(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- measurement
+
+
+def _pinned(cpus: list[int]):
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def run_child(cmd: list[str], cpus: list[int], env: dict[str, str], timeout: float) -> tuple[str, str, int]:
+    """(stdout, stderr, peak RSS bytes from wait4) of a child pinned to `cpus`; RuntimeError when it fails or
+    runs past `timeout` seconds (it is killed then)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, preexec_fn=_pinned(cpus))
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                proc.returncode = -9
+                raise RuntimeError(f"{Path(cmd[0]).name} did not finish within {timeout:.0f} s")
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return stdout, stderr, usage.ru_maxrss * 1024
+
+
+def llama_cpp_round(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], env: dict[str, str]) -> dict:
+    """One round of llama.cpp: llama-bench (prefill 512, decode 64 at batch 1), llama-batched-bench (decode at
+    batch 8) and a load-only llama-bench run (its wall time less one token's evaluation: the load); peak RSS the
+    largest of the children's (the model is mapped: mapped pages that were read count, as for any process)."""
+    env = dict(env, LD_LIBRARY_PATH=str(bin_dir))
+    bench, _, rss_a = run_child([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT),
+                                 "-n", str(DECODE_B1), "-r", "1", "-o", "json"], cpus, env, 3600)
+    rows = json.loads(bench)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] == PROMPT and r["n_gen"] == 0)
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] == DECODE_B1 and r["n_prompt"] == 0)
+    batched, _, rss_b = run_child([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads),
+                                     "-c", "4096", "-b", "512", "-ub", "512", "-npp", "128", "-ntg", str(DECODE_B1),
+                                     "-npl", str(BATCH), "--output-format", "jsonl"], cpus, env, 3600)
+    row = json.loads([line for line in batched.splitlines() if line.startswith("{")][-1])
+    # load: the wall time of a run that only loads the model and evaluates one token, less that evaluation
+    start = time.perf_counter()
+    one, _, rss_c = run_child([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "1", "-n", "0",
+                               "-r", "1", "--no-warmup", "-o", "json"], cpus, env, 3600)
+    load = time.perf_counter() - start - json.loads(one)[0]["avg_ns"] / 1e9
+    return {"decode_b1_tok_s": decode, "prefill_512_tok_s": prefill, "decode_b8_tok_s": row["speed_tg"],
+            "peak_rss_bytes": max(rss_a, rss_b, rss_c), "load_seconds": load, "commit": rows[0].get("build_commit")}
+
+
+def tutel_jax_round(model_dir: Path, cpus: list[int], env: dict[str, str], quick: bool) -> dict:
+    """One round of tutel-jax in a fresh child process (`--child`)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model_dir)] + (["--quick"] if quick else [])
+    out, _, rss = run_child(cmd, cpus, env, 7200)
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss_bytes"] = rss
+    return result
+
+
+def child(model_dir: Path, quick: bool) -> dict:
+    """In the child: load, then prefill and decode speeds (module docstring); prints one JSON line."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.real_size import Decoder, decode_bytes
+    from tutel_jax.models import from_pretrained
+
+    prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
+                                                                                         DECODE_B8)
+    start = time.perf_counter()
+    model = from_pretrained(model_dir, dtype=jnp.bfloat16, progress=False)
+    load_s = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    dec = Decoder(model, prompt + steps_b1 + 8)
+    ids = rng.integers(0, model.spec.vocab_size, (1, prompt))
+    dec.run(ids, 1)  # compiles the prefill and the step at batch 1
+    ttft, times_b1, _ = dec.run(ids, steps_b1)
+    ids8 = rng.integers(0, model.spec.vocab_size, (BATCH, 16))
+    dec.run(ids8, 1)
+    _, times_b8, _ = dec.run(ids8, steps_b8)
+    return {"decode_b1_tok_s": 1 / statistics.median(times_b1), "prefill_512_tok_s": prompt / ttft,
+            "decode_b8_tok_s": BATCH / statistics.median(times_b8), "load_seconds": load_s,
+            "bytes_per_step_b1": decode_bytes(model, 1), "prompt_len": prompt}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def medians(rounds: list[dict]) -> dict:
+    out = {}
+    for key in METRICS:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def markdown(result: dict) -> str:
+    ll, tj = result.get("llama_cpp"), result["tutel_jax"]
+    rows = []
+    labels = (("decode_b1_tok_s", "decode, batch 1 (tok/s)"),
+              ("prefill_512_tok_s", f"prefill, {result['prompt_len']} tokens (tok/s)"),
+              ("decode_b8_tok_s", f"decode, batch {BATCH} (tok/s)"), ("peak_rss_bytes", "peak RSS (GiB)"),
+              ("load_seconds", "load (s)"))
+    for key, label in labels:
+        scale = 1 / 2 ** 30 if key == "peak_rss_bytes" else 1
+        cell = lambda v: "n/a" if v is None else f"{v * scale:.2f}"  # noqa: E731
+        ratio = "" if not ll or not ll.get(key) or tj.get(key) is None else f"{tj[key] / ll[key]:.2f}x"
+        rows.append([label, cell(tj.get(key)), cell(ll.get(key)) if ll else "not run", ratio])
+    table = markdown_table(["", "tutel-jax", "llama.cpp", "tutel-jax / llama.cpp"], rows)
+    head = (f"{result['model']}, {result['threads']} threads, {result['rounds']} interleaved rounds (medians), "
+            f"llama.cpp {result.get('llama_cpp', {}).get('commit', 'not run')}. Read bandwidth "
+            f"{result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({result['read_bandwidth_method']}); tutel-jax "
+            f"reads {tj['bytes_per_step_b1'] / 1e9:.2f} GB per decode step at batch 1: roofline_b1 "
+            f"{tj['roofline_b1']:.2f}.")
+    return f"{head}\n\n{table}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt-oss-20b", help="a benchmarks/make_real_size.py model")
+    parser.add_argument("--threads", type=int, default=None, help="default: this process's usable CPUs")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="the tiny layout, tutel-jax only (the CI smoke test)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_llamacpp.json")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.quick)))
+        return 0
+
+    from benchmarks import make_real_size
+    from tutel_jax.native.bandwidth import read_bandwidth, usable_cpus
+
+    model = f"{args.model}-tiny" if args.quick and not args.model.endswith("-tiny") else args.model
+    cpus = sorted(os.sched_getaffinity(0))[: args.threads or usable_cpus()]
+    threads = len(cpus)
+    work = args.work_dir or default_work_dir()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_real_size.make_model(model, work / "checkpoints", progress=not args.quick)
+    env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+    if args.quick:
+        bin_dir = gguf = commit = None
+    else:
+        llama, commit = llama_cpp_source(work)
+        bin_dir = build_llama_cpp(work, llama, commit)
+        gguf = convert_to_gguf(work, llama, converter_python(work, llama), model_dir)
+    rounds_ll, rounds_tj = [], []
+    for i in range(args.rounds):  # interleaved: each system sees the machine in the same state, round by round
+        if gguf is not None:
+            rounds_ll.append(llama_cpp_round(bin_dir, gguf, threads, cpus, env))
+        rounds_tj.append(tutel_jax_round(model_dir, cpus, env, args.quick))
+        print(f"round {i + 1}: tutel-jax {rounds_tj[-1]['decode_b1_tok_s']:.2f} tok/s"
+              + (f", llama.cpp {rounds_ll[-1]['decode_b1_tok_s']:.2f} tok/s" if rounds_ll else ""), flush=True)
+    os.sched_setaffinity(0, cpus)
+    bandwidth = read_bandwidth((32 if args.quick else 1024) << 20, threads)
+    tj = medians(rounds_tj)
+    tj["bytes_per_step_b1"] = rounds_tj[0]["bytes_per_step_b1"]
+    tj["roofline_b1"] = tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / bandwidth
+    result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
+              "read_bandwidth_method": f"tutel_jax.native.bandwidth.read_bandwidth: {threads} threads, "
+                                       f"{32 if args.quick else 1024} MiB buffer, best of 5",
+              "prompt_len": rounds_tj[0]["prompt_len"], "tutel_jax": tj, "tutel_jax_rounds": rounds_tj,
+              "machine": machine_info()}
+    if rounds_ll:
+        result["llama_cpp"] = {**medians(rounds_ll), "commit": commit}
+        result["llama_cpp_rounds"] = rounds_ll
+    write_json(args.out, result)
+    write_text(args.out.with_suffix(".md"), markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
