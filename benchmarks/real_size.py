@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -137,39 +138,33 @@ def _truncated(model: Any, depth: int, per_layer_jit: bool | None = None) -> Any
 
 
 class Decoder:
-    """Greedy prefill + decode steps over a static KV cache of `max_len` slots: one jit each, or, for a model
-    with per-layer programs, the steps unjitted around them (`layer_programs.ModelStep`)."""
+    """Greedy prefill + decode steps over a static KV cache of `max_len` slots: the serving engine's own steps
+    (`serving.steps.prefill_step` / `decode_step`: one jit each, or, for a model with per-layer programs, the
+    steps unjitted around them)."""
 
     def __init__(self, model: Any, max_len: int):
-        import jax.numpy as jnp
-
-        from tutel_jax.models.layer_programs import ModelStep
-        from tutel_jax.models.layers import AttnContext
-
         self.model, self.max_len = model, max_len
-        slots = jnp.arange(max_len)
 
-        def prefill(apply, params, ids, cache):
-            B, T = ids.shape
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-            ctx = AttnContext(positions, jnp.zeros((), jnp.int32), jnp.broadcast_to(slots < T, (B, max_len)))
-            logits, cache = apply(params, ids, ctx, cache, logits_at=jnp.full((B,), T - 1))
-            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
-
-        def step(apply, params, tok, index, cache):
-            B = tok.shape[0]
-            ctx = AttnContext(jnp.full((B, 1), index, jnp.int32), index,
-                              jnp.broadcast_to(slots <= index, (B, max_len)))
-            logits, cache = apply(params, tok[:, None], ctx, cache)
-            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
-
-        self._prefill, self._step = ModelStep(prefill), ModelStep(step)
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _greedy(batch: int) -> Any:
+        """Greedy sampling parameters of `batch` rows (no logit bias: the plain program)."""
+        from tutel_jax.serving.steps import row_sampling, sampling_arrays, trim_bias
+        return trim_bias(sampling_arrays([row_sampling(0, b, 0.0, None, None, None) for b in range(batch)]))
 
     def prefill(self, ids, cache):
-        return self._prefill(self.model.forward_fn, self.model.params, ids, cache)
+        from tutel_jax.serving.steps import prefill_step
+        tok, _, _, cache = prefill_step(self.model.forward_fn, self.model.params, ids, cache,
+                                        self._greedy(ids.shape[0]))
+        return tok, cache
 
     def step(self, tok, index, cache):
-        return self._step(self.model.forward_fn, self.model.params, tok, index, cache)
+        import jax.numpy as jnp
+
+        from tutel_jax.serving.steps import decode_step
+        tok, _, _, cache = decode_step(self.model.forward_fn, self.model.params, tok, index, jnp.int32(0), cache,
+                                       self._greedy(tok.shape[0]))
+        return tok, cache
 
     def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
         """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps])."""
@@ -194,11 +189,14 @@ class Decoder:
         import jax
         import jax.numpy as jnp
 
+        from tutel_jax.serving.steps import decode_step
+
         if not self.model.per_layer_jit:
             cache = jax.eval_shape(lambda: self.model.init_cache(1, self.max_len))
             start = time.perf_counter()
-            self._step.jitted.lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
-                                  jax.ShapeDtypeStruct((), jnp.int32), cache).compile()
+            decode_step.jitted.lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
+                                     jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0), cache,
+                                     self._greedy(1)).compile()
             return time.perf_counter() - start
         jax.clear_caches()
         tok, times = jnp.zeros((1,), jnp.int32), []
