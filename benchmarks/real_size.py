@@ -74,8 +74,8 @@ class Settings:
 
 
 # (the tiny models are shallower than per_layer_jit's 'auto' threshold: 'on' runs the real models' path)
-QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32, read_mib=32, serve_clients=2,
-                 serve_requests=4, serve_max_tokens=4, serve_max_len=64, per_layer_jit="on")
+QUICK = Settings(prompt_len=32, decode_steps=2, depths=(1, 2, 4), max_len=64, copy_mib=32, read_mib=32,
+                 serve_clients=2, serve_requests=4, serve_max_tokens=4, serve_max_len=64, per_layer_jit="on")
 
 
 # ----------------------------------------------------------------------------------------- child measurements
@@ -143,7 +143,10 @@ class Decoder:
     steps unjitted around them)."""
 
     def __init__(self, model: Any, max_len: int):
+        from tutel_jax.serving.steps import decode_step, prefill_step
+
         self.model, self.max_len = model, max_len
+        self._prefill, self._step = prefill_step, decode_step
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -153,17 +156,13 @@ class Decoder:
         return trim_bias(sampling_arrays([row_sampling(0, b, 0.0, None, None, None) for b in range(batch)]))
 
     def prefill(self, ids, cache):
-        from tutel_jax.serving.steps import prefill_step
-        tok, _, _, cache = prefill_step(self.model.forward_fn, self.model.params, ids, cache,
+        tok, _, _, cache = self._prefill(self.model.forward_fn, self.model.params, ids, cache,
                                         self._greedy(ids.shape[0]))
         return tok, cache
 
     def step(self, tok, index, cache):
-        import jax.numpy as jnp
-
-        from tutel_jax.serving.steps import decode_step
-        tok, _, _, cache = decode_step(self.model.forward_fn, self.model.params, tok, index, jnp.int32(0), cache,
-                                       self._greedy(tok.shape[0]))
+        tok, _, _, cache = self._step(self.model.forward_fn, self.model.params, tok, index, np.int32(0), cache,
+                                      self._greedy(tok.shape[0]))
         return tok, cache
 
     def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
@@ -189,12 +188,10 @@ class Decoder:
         import jax
         import jax.numpy as jnp
 
-        from tutel_jax.serving.steps import decode_step
-
         if not self.model.per_layer_jit:
             cache = jax.eval_shape(lambda: self.model.init_cache(1, self.max_len))
             start = time.perf_counter()
-            decode_step.jitted.lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
+            self._step.jitted.lower(self.model.forward_fn, self.model.params, jax.ShapeDtypeStruct((1,), jnp.int32),
                                      jax.ShapeDtypeStruct((), jnp.int32), jnp.int32(0), cache,
                                      self._greedy(1)).compile()
             return time.perf_counter() - start
@@ -236,7 +233,6 @@ def decode_bytes(model: Any, batch: int) -> float:
 
 def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     """Every measurement of the module docstring for one checkpoint directory (run in a fresh process)."""
-    import jax
     import jax.numpy as jnp
 
     from tutel_jax.models import from_pretrained

@@ -83,7 +83,6 @@ def _child_env() -> dict[str, str]:
 def test_two_processes_give_the_loss_curve_of_one(runs, tmp_path):
     args = COMMON  # the uninterrupted run's settings, layout switch included (checkpoints aside)
     single = runs["whole"]
-    hangs = []
     for attempt in range(2):  # one hang (once in CI, cause unknown) is reported with its stacks and run again
         log = tmp_path / f"two{attempt}.jsonl"
         done = subprocess.run([sys.executable, str(SCRIPT), *args, "--num-processes", "2", "--timeout",
@@ -91,8 +90,8 @@ def test_two_processes_give_the_loss_curve_of_one(runs, tmp_path):
                               capture_output=True, text=True, timeout=DEADLINE_S)
         if done.returncode != 124:
             break
-        hangs.append(done.stderr[-12000:])
-        warnings.warn(f"the two-process run hung (attempt {attempt + 1}); the processes' stacks:\n{hangs[-1]}")
+        warnings.warn(f"the two-process run hung (attempt {attempt + 1}); the processes' stacks:\n"
+                      f"{done.stderr[-12000:]}")
     assert done.returncode == 0, done.stderr[-12000:]
     two = _losses(log)
     assert sorted(two) == sorted(single["losses"])
