@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from support.benchmark_run import run_quick
+from tutel_jax.native import build
 
 
 def test_vs_llamacpp_quick(tmp_path):
@@ -17,6 +18,7 @@ def test_vs_llamacpp_quick(tmp_path):
         assert tj[key] > 0, key
         values = sorted(r[key] for r in result["tutel_jax_rounds"])
         assert values[0] <= tj[key] <= values[-1], key  # the median of the rounds
+    assert tj["isa"] == build.isa_in_effect()  # the native kernels' instruction set, recorded
     assert tj["roofline_b1"] == tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / result["read_bandwidth_bytes_per_s"]
     md = out.with_suffix(".md").read_text()
     assert "| decode, batch 1 (tok/s) |" in md and "not run" in md

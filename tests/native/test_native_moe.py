@@ -214,9 +214,12 @@ def test_build_cache(tmp_path, monkeypatch):
     build.load("moe_cpu")
     # another CPU (a home directory shared between machines) gets its own library
     source, cxx = build.SOURCE_DIR / "moe_cpu.cc", build.compiler()
-    here = build._library_path(source, cxx)
+    flags = build._flag_sets(build.isa_in_effect())
+    here = build._library_path(source, cxx, flags)
+    # another ISA gets its own library
+    assert build._library_path(source, cxx, build._flag_sets("portable")) != here
     monkeypatch.setattr(build, "_cpu_fingerprint", lambda: "another cpu")
-    assert build._library_path(source, cxx) != here
+    assert build._library_path(source, cxx, flags) != here
 
 
 @needs_compiler

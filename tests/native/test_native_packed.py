@@ -5,8 +5,9 @@ References: float64 NumPy on the weights' exact float32 dequantization (`pallas_
 themselves checked against NumPy in test_pallas_quant), tolerance 1e-5 of the output's scale; the MoE layer's
 XLA 'loop' path (1e-5); the fixture models through the XLA paths (greedy tokens equal, logits within 1e-5) and
 transformers' (expected.npz). Shapes cover the decode form (<= 8 rows per expert) and the many-row form, wide
-(128) and narrow (32) FP4 chunks, scalar K tails, partial FP8 scale blocks and output blocks. The AVX-512 paths
-run here; the portable C++ runs the same checks in a subprocess built with TUTEL_JAX_NATIVE_PORTABLE=1.
+(128) and narrow (32) FP4 chunks, scalar K tails, partial FP8 scale blocks and output blocks. The best
+instruction set this CPU runs is checked here; every other one it runs (AVX2, portable C++) runs the same checks in
+a subprocess built with TUTEL_JAX_NATIVE_ISA.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _moe_case(fmt, shape, glu, seed=0):
 
 
 def check_kernels_against_reference(shapes=tuple(SHAPES)) -> None:
-    """Every format and GLU, in `shapes`, through both kernels (the portable build's subprocess)."""
+    """Every format and GLU, in `shapes`, through both kernels (also run by the other ISAs' subprocesses)."""
     for fmt in FORMATS:
         for shape in shapes:
             for glu in ("swiglu", "gpt_oss"):
@@ -124,7 +125,7 @@ def _check_dense(fmt, seed=1):
     model_dim = DIMS[fmt][0]
     w, w_ref = _quantize(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
     b = rng.normal(size=(600,)).astype(np.float32)
-    for rows in (1, 3, 11):  # one row, a few, more than one register pass of 8
+    for rows in (1, 2, 3, 11):  # one row, two, a few, more than one register pass of 8
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)
         _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
         _close(jax.jit(dense)(x, w, b), x.astype(np.float64) @ w_ref.T + b)
@@ -192,19 +193,30 @@ def test_moe_kernel_errors():
         moe_experts(x[:, :192], ids, enc, dec, w1, w2)
 
 
+OTHER_ISAS = [isa for isa in build.cpu_isas() if isa != build.cpu_isas()[0]] if build.compiler() else []
+
+
 @needs_compiler
-def test_portable_build_matches_reference(tmp_path):
-    """The C++ without AVX-512 (what other CPUs run), built apart, on the same checks (the decode shapes: the
-    portable code has one form for any number of rows)."""
-    env = dict(os.environ, TUTEL_JAX_NATIVE_PORTABLE="1", TUTEL_JAX_CACHE=str(tmp_path / "cache"),
-               JAX_PLATFORMS="cpu")
+@pytest.mark.parametrize("isa", OTHER_ISAS)
+def test_every_isa_this_cpu_runs_matches_reference(tmp_path, isa):
+    """The kernels built for each other instruction set this CPU runs (TUTEL_JAX_NATIVE_ISA: AVX2 on an AVX-512
+    machine, the portable C++ everywhere), apart, on the same checks as the best one in this process."""
+    env = dict(os.environ, TUTEL_JAX_NATIVE_ISA=isa, TUTEL_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     code = ("import sys; sys.path[:0] = ['tests/native', 'tests']; import test_native_packed as t; "
-            "t.check_kernels_against_reference(('decode',)); print('portable ok')")
+            "from tutel_jax import native; t.check_kernels_against_reference(); print('isa', native.isa())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "portable ok" in done.stdout
+    assert f"isa {isa}" in done.stdout
     assert len(list((tmp_path / "cache").glob("*.so"))) == 2  # moe_cpu and dense_cpu, built for this run
+
+
+def test_cpu_isas_end_with_portable():
+    """Every CPU runs the portable build; x86 lists AVX-512 before AVX2 (best first)."""
+    isas = build.cpu_isas()
+    assert isas[-1] == "portable" and set(isas) <= set(build.ISAS) and len(set(isas)) == len(isas)
+    if "avx512" in isas and "avx2" in isas:
+        assert isas.index("avx512") < isas.index("avx2")
 
 
 TOP4 = {"type": "top", "k": 4}

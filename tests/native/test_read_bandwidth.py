@@ -27,11 +27,11 @@ def test_every_word_is_read(threads):
 
 
 def test_portable_build_reads_every_word_too(tmp_path):
-    """The portable C++ loop (TUTEL_JAX_NATIVE_PORTABLE=1, as on CPUs without AVX2), in a fresh process."""
+    """The portable build (TUTEL_JAX_NATIVE_ISA=portable, as on CPUs without AVX2 or NEON), in a fresh process."""
     code = ("import numpy as np\nfrom tutel_jax.native.bandwidth import read_words\n"
             "w = np.zeros(8 * 100 + 8, np.uint64); w[-1] = 5; w[3] = 8\n"
             "print(read_words(w, 3)[1])\n")
-    env = {**os.environ, "TUTEL_JAX_NATIVE_PORTABLE": "1", "TUTEL_JAX_CACHE": str(tmp_path)}
+    env = {**os.environ, "TUTEL_JAX_NATIVE_ISA": "portable", "TUTEL_JAX_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "13"

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from ..core import backends
 from ..native import NativeKernelError
+from ..native.build import isa_in_effect
 from ..native.moe import ensure_registered
 from ..routing.plan import RoutingPlan, align_capacity
 
@@ -210,7 +211,9 @@ def check_native(experts: Any) -> None:
 
 
 def native_available(experts: Any) -> bool:
-    """Whether 'native' can run `experts` here (`check_native` passes, the kernel built)."""
+    """Whether 'native' can run `experts` here (`check_native` passes, the kernel built). A TUTEL_JAX_NATIVE_ISA that
+    this CPU cannot run raises (NativeKernelError): a forced ISA is never silently replaced by another path."""
+    isa_in_effect()
     try:
         check_native(experts)
     except (ValueError, NativeKernelError):

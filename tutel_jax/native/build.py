@@ -1,13 +1,15 @@
 """Compile-on-first-use for the native CPU kernels (`*.cc` beside this file) and their XLA FFI registration.
 
 A kernel's shared library is built once per machine with the system C++ compiler (`$CXX`, else `c++`, `g++` or
-`clang++`) against the XLA FFI headers that jaxlib ships, with `-O3 -march=native` (the library is built where it
-runs; a compiler that does not know it gets a second try without), and cached under `$TUTEL_JAX_CACHE` (default
-`$XDG_CACHE_HOME/tutel_jax`, else `~/.cache/tutel_jax`), keyed by the source, the flags, the compiler, the jaxlib
+`clang++`) against the XLA FFI headers that jaxlib ships, for one instruction set (`ISAS`, see simd.h):
+`avx512`, `avx2` (AVX2 + FMA), `neon` (AArch64) or `portable` (C++ only). The ISA in effect is the best this CPU
+runs, or the one `TUTEL_JAX_NATIVE_ISA` names (it must be one the CPU runs: tests force each in turn); the flags
+are `-O3 -march=native` (the library is built where it runs) narrowed to that ISA, with explicit `-m` flags as a
+second try for a compiler that does not know `-march=native`, and the source checks at compile time that the flags
+gave the ISA asked for. Libraries are cached under `$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else
+`~/.cache/tutel_jax`), keyed by the source, the headers beside it (`*.h`), the flags, the compiler, the jaxlib
 version and the CPU (its model and feature flags: a home directory shared by different machines never hands one
-a library built for another's instruction set). The headers beside the sources (`*.h`) are part of the key.
-`TUTEL_JAX_NATIVE_PORTABLE=1` builds without the AVX-512 code paths (the portable C++ every CPU runs; tests use
-it to check those paths on a machine that has AVX-512). The library is written to a temporary file and renamed into
+a library built for another's instruction set). The library is written to a temporary file and renamed into
 place, so concurrent first uses (e.g. test workers) never load a half-written file.
 """
 
@@ -26,11 +28,20 @@ from pathlib import Path
 import jax
 import jaxlib
 
-__all__ = ["NativeKernelError", "cache_dir", "compiler", "load", "register"]
+__all__ = ["ISAS", "NativeKernelError", "cache_dir", "compiler", "cpu_isas", "isa", "isa_in_effect", "load",
+           "register"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
-TUNE_FLAGS = ("-march=native",)  # dropped on a second try if the compiler rejects it
+# -ffp-contract=fast: a * b + c in the vector code is one fused multiply-add
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast", "-Wno-psabi")
+ISAS = ("portable", "avx2", "avx512", "neon")  # index = simd.h's Isa id
+# per ISA: the flags, then a second try for a compiler that rejects -march=native
+_ISA_FLAGS = {
+    "avx512": (("-march=native",), ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c")),
+    "avx2": (("-march=native", "-mno-avx512f"), ("-mavx2", "-mfma", "-mf16c")),
+    "neon": (("-march=native",), ()),  # Advanced SIMD is part of AArch64
+    "portable": (("-march=native", "-DTUTEL_JAX_PORTABLE"), ("-DTUTEL_JAX_PORTABLE",)),
+}
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
@@ -75,33 +86,72 @@ def _cpu_fingerprint() -> str:
     return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
-def _defines() -> tuple[str, ...]:
-    return ("-DTUTEL_JAX_PORTABLE",) if os.environ.get("TUTEL_JAX_NATIVE_PORTABLE") == "1" else ()
+def _cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    for line in _cpu_fingerprint().splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
-def _library_path(source: Path, cxx: str) -> Path:
+def cpu_isas() -> tuple[str, ...]:
+    """The instruction sets of `ISAS` this CPU runs, best first (`portable` always last)."""
+    machine = platform.machine().lower()
+    found = []
+    if machine in ("x86_64", "amd64"):
+        flags = _cpu_flags()
+        if "avx512f" in flags:
+            found.append("avx512")
+        if {"avx2", "fma"} <= flags:
+            found.append("avx2")
+    elif machine in ("aarch64", "arm64"):
+        found.append("neon")
+    return (*found, "portable")
+
+
+def isa_in_effect() -> str:
+    """The ISA the kernels are built for: $TUTEL_JAX_NATIVE_ISA when set (one this CPU runs), else the best the
+    CPU runs. Raises NativeKernelError for an unknown name or one this CPU cannot run."""
+    runs = cpu_isas()
+    asked = os.environ.get("TUTEL_JAX_NATIVE_ISA", "").strip()
+    if not asked:
+        return runs[0]
+    if asked not in ISAS:
+        raise NativeKernelError(f"TUTEL_JAX_NATIVE_ISA={asked!r}: expected one of {', '.join(ISAS)}")
+    if asked not in runs:
+        raise NativeKernelError(f"TUTEL_JAX_NATIVE_ISA={asked!r}: this CPU ({platform.machine()}) cannot run it; it "
+                                f"runs {', '.join(runs)}")
+    return asked
+
+
+def _flag_sets(isa_name: str) -> tuple[tuple[str, ...], ...]:
+    require = f"-DTUTEL_JAX_REQUIRE_ISA={ISAS.index(isa_name)}"
+    return tuple((*flags, require) for flags in _ISA_FLAGS[isa_name])
+
+
+def _library_path(source: Path, cxx: str, flag_sets: tuple[tuple[str, ...], ...]) -> Path:
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(FLAGS + TUNE_FLAGS + _defines()).encode(), cxx.encode(),
+    flags = " | ".join(" ".join(FLAGS + f) for f in flag_sets)
+    for part in (source.read_bytes(), *headers, flags.encode(), cxx.encode(),
                  jaxlib.__version__.encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def _compile(source: Path, target: Path, cxx: str) -> None:
+def _compile(source: Path, target: Path, cxx: str, flag_sets: tuple[tuple[str, ...], ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
-    def run(tune):
-        cmd = [cxx, *FLAGS, *tune, *_defines(), "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR), str(source),
-               "-o", tmp]
+    def run(flags):
+        cmd = [cxx, *FLAGS, *flags, "-I", jax.ffi.include_dir(), "-I", str(SOURCE_DIR), str(source), "-o", tmp]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
     try:
-        done = run(TUNE_FLAGS)
+        done = run(flag_sets[0])
         if done.returncode != 0 and "march" in done.stderr:  # the compiler rejects the flag, not the code
-            done = run(())
+            done = run(flag_sets[1])
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-20:])
             raise NativeKernelError(f"compiling {source.name} with {cxx} failed (exit {done.returncode}):\n{tail}")
@@ -123,9 +173,10 @@ def load(name: str) -> ctypes.CDLL:
         if cxx is None:
             raise NativeKernelError("the native CPU kernels need a C++ compiler (set $CXX, or install g++ or "
                                     "clang++); without one use another dropless_impl")
-        target = _library_path(source, cxx)
+        flag_sets = _flag_sets(isa_in_effect())
+        target = _library_path(source, cxx, flag_sets)
         if not target.exists():
-            _compile(source, target, cxx)
+            _compile(source, target, cxx, flag_sets)
         try:
             _libraries[name] = ctypes.cdll.LoadLibrary(str(target))
         except OSError as e:
@@ -143,3 +194,9 @@ def register(name: str, symbol: str, target: str) -> None:
         if target not in _registered:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
             _registered.add(target)
+
+
+def isa() -> str:
+    """The instruction set of the native kernels in effect in this process (`ISAS`), as the built library reports
+    it (building it on first use)."""
+    return ISAS[load("moe_cpu").TutelJaxIsa()]

@@ -22,7 +22,7 @@ import numpy as np
 from ..core import backends
 from ..quant import weights as quant_weights
 from ..core.vma import varying_like
-from .build import NativeKernelError, register
+from .build import NativeKernelError, isa_in_effect, register
 from .weights import check_max_workers, empty, unsupported, weight_args
 
 __all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
@@ -37,9 +37,11 @@ def ensure_registered() -> None:
 
 
 def available() -> bool:
-    """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler)."""
+    """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler). A
+    TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError instead."""
     if backends.platform() != "cpu":
         return False
+    isa_in_effect()
     try:
         ensure_registered()
     except NativeKernelError:

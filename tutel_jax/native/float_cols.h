@@ -2,9 +2,9 @@
 //
 // `float_cols` computes out[r, c - c0] = sum_k a[r, k] * w[k, c] for c in [c0, c1). Up to 8 rows stream the
 // column slice of w in memory order, 4 weight rows per pass over the outputs, each weight vector used by all rows
-// while it is in registers (decode); more rows go through register tiles of 4 rows x 64 columns (prefill), whose
-// 64-column slice of w is read from memory by the first row tile and from cache by the others. GCC/Clang vector
-// extensions: portable, and 16-lane vectors where the CPU has them.
+// while it is in registers (decode); more rows go through register tiles of kColTileRows rows x kTileCols columns
+// (prefill; the ISA's register budget, simd.h), whose column slice of w is read from memory by the first row
+// tile and from cache by the others. Written once over GCC/Clang vector extensions (simd.h).
 
 #pragma once
 
@@ -12,15 +12,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
+
 namespace tj {
 
-constexpr int kLanes = 16;                   // floats per vector
-constexpr int kTileVectors = 4;              // vectors per column tile
-constexpr int kTileCols = kLanes * kTileVectors;
-constexpr int kMaxTileRows = 4;              // rows per register tile
+constexpr int kTileCols = kNativeLanes * kColTileVectors;  // columns per register tile
+constexpr int kMaxTileRows = kColTileRows;                  // rows per register tile
 constexpr int kStreamRows = 8;
 constexpr int kPrefetchRows = 8;   // weight rows the streaming form prefetches ahead
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const uint16_t* p) {
@@ -30,40 +29,24 @@ inline float load_scalar(const uint16_t* p) {
   return f;
 }
 
-inline Vec load_vec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-typedef uint16_t Bf16x16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t U32x16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-inline Vec load_vec(const uint16_t* p) {  // bfloat16 bits << 16 are the float32 bits
-  Bf16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const U32x16 bits = __builtin_convertvector(h, U32x16) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-// out[r, 0:64] = sum_k a[r, k] * w[k, c0:c0+64] for R rows, accumulated in registers.
+// out[r, 0:kTileCols] = sum_k a[r, k] * w[k, c0:c0+kTileCols] for R rows, accumulated in registers.
 template <int R, typename W>
 void tile_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t depth, int64_t c0, float* out,
                int64_t ldo) {
-  Vec acc[R][kTileVectors];
+  Native acc[R][kColTileVectors];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Vec{};
+    for (int v = 0; v < kColTileVectors; ++v) acc[r][v] = Native{};
   for (int64_t k = 0; k < depth; ++k) {
     const W* row = w + k * ldw + c0;
-    Vec wv[kTileVectors];
-    for (int v = 0; v < kTileVectors; ++v) wv[v] = load_vec(row + v * kLanes);
+    Native wv[kColTileVectors];
+    for (int v = 0; v < kColTileVectors; ++v) wv[v] = load(row + v * kNativeLanes);
     for (int r = 0; r < R; ++r) {
-      const Vec s = Vec{} + a[r * lda + k];
-      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += s * wv[v];
+      const Native s = Native{} + a[r * lda + k];
+      for (int v = 0; v < kColTileVectors; ++v) acc[r][v] += s * wv[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kTileVectors; ++v) std::memcpy(out + r * ldo + v * kLanes, &acc[r][v], sizeof(Vec));
+    for (int v = 0; v < kColTileVectors; ++v) store(out + r * ldo + v * kNativeLanes, acc[r][v]);
 }
 
 // out[r, 0:c1-c0] = sum_k a[r, k] * w[k, c0:c1] for R rows, streaming w's rows in memory order, kDepthStep rows
@@ -72,7 +55,7 @@ template <int R, typename W>
 void stream_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t depth, int64_t c0, int64_t c1,
                  float* out, int64_t ldo) {
   constexpr int kDepthStep = 4;
-  const int64_t width = c1 - c0, vec_end = width / kLanes * kLanes;
+  const int64_t width = c1 - c0, vec_end = width / kNativeLanes * kNativeLanes;
   for (int r = 0; r < R; ++r) std::memset(out + r * ldo, 0, sizeof(float) * width);
   for (int64_t k = 0; k < depth; k += kDepthStep) {
     const int step = int(std::min<int64_t>(kDepthStep, depth - k));
@@ -88,14 +71,14 @@ void stream_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t d
       for (int j = 0; j < step; ++j)
         for (int64_t b = 0; b < width * int64_t(sizeof(W)); b += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(row[j] + kPrefetchRows * ldw) + b);
-    for (int64_t c = 0; c < vec_end; c += kLanes) {
-      Vec wv[kDepthStep];
-      for (int j = 0; j < kDepthStep; ++j) wv[j] = load_vec(row[j] + c);
+    for (int64_t c = 0; c < vec_end; c += kNativeLanes) {
+      Native wv[kDepthStep];
+      for (int j = 0; j < kDepthStep; ++j) wv[j] = load(row[j] + c);
       for (int r = 0; r < R; ++r) {
-        Vec o;
-        std::memcpy(&o, out + r * ldo + c, sizeof(Vec));
+        Native o;
+        std::memcpy(&o, out + r * ldo + c, sizeof(Native));
         for (int j = 0; j < kDepthStep; ++j) o += s[r][j] * wv[j];
-        std::memcpy(out + r * ldo + c, &o, sizeof(Vec));
+        std::memcpy(out + r * ldo + c, &o, sizeof(Native));
       }
     }
     for (int64_t c = vec_end; c < width; ++c)

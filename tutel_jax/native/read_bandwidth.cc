@@ -13,48 +13,24 @@
 #include <thread>
 #include <vector>
 
-#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(TUTEL_JAX_PORTABLE)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 uint64_t or_words(const uint8_t* p, size_t n) {
   size_t i = 0;
   uint64_t tail = 0;
-#if defined(__AVX512F__) && !defined(TUTEL_JAX_PORTABLE)
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  // 64-byte vectors (one AVX-512 register, two AVX2 or four NEON registers: whatever the target has)
+  typedef uint64_t U64x8 __attribute__((vector_size(64)));
+  U64x8 a0{}, a1{}, a2{}, a3{};
   for (; i + 256 <= n; i += 256) {
-    a0 = _mm512_or_si512(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_or_si512(a1, _mm512_loadu_si512(p + i + 64));
-    a2 = _mm512_or_si512(a2, _mm512_loadu_si512(p + i + 128));
-    a3 = _mm512_or_si512(a3, _mm512_loadu_si512(p + i + 192));
+    U64x8 v[4];
+    std::memcpy(v, p + i, sizeof(v));
+    a0 |= v[0];
+    a1 |= v[1];
+    a2 |= v[2];
+    a3 |= v[3];
   }
-  __m512i a = _mm512_or_si512(_mm512_or_si512(a0, a1), _mm512_or_si512(a2, a3));
-  alignas(64) uint64_t lanes[8];
-  _mm512_store_si512(reinterpret_cast<__m512i*>(lanes), a);
-  for (uint64_t v : lanes) tail |= v;
-#elif defined(__AVX2__) && !defined(TUTEL_JAX_PORTABLE)
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  for (; i + 128 <= n; i += 128) {
-    a0 = _mm256_or_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_or_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-    a2 = _mm256_or_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-    a3 = _mm256_or_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
-  }
-  __m256i a = _mm256_or_si256(_mm256_or_si256(a0, a1), _mm256_or_si256(a2, a3));
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
-  for (uint64_t v : lanes) tail |= v;
-#else
-  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-  for (; i + 32 <= n; i += 32) {
-    uint64_t w[4];
-    std::memcpy(w, p + i, 32);
-    a0 |= w[0]; a1 |= w[1]; a2 |= w[2]; a3 |= w[3];
-  }
-  tail = a0 | a1 | a2 | a3;
-#endif
+  const U64x8 a = (a0 | a1) | (a2 | a3);
+  for (int l = 0; l < 8; ++l) tail |= a[l];
   for (; i + 8 <= n; i += 8) {
     uint64_t w;
     std::memcpy(&w, p + i, 8);

@@ -1,0 +1,186 @@
+// tutel-jax native CPU kernels: the instruction set a library is built for, and the few operations that differ
+// between instruction sets. The kernels are written once over GCC/Clang vector extensions of one register of the
+// target (`Native`: 16 floats with AVX-512, 8 with AVX2, 4 with NEON, 8 in the portable build).
+//
+// The instruction set follows the compiler's target; tutel_jax/native/build.py picks the flags for the ISA in
+// effect (the best the CPU runs, or TUTEL_JAX_NATIVE_ISA) and passes TUTEL_JAX_REQUIRE_ISA, so flags that do not
+// give the intended target fail the build instead of building a slower library:
+//   avx512    AVX-512 F: 16-lane table permutes
+//   avx2      AVX2 + FMA (+ F16C): 8-lane permutes, two registers per Vec
+//   neon      AArch64 Advanced SIMD: byte-table lookups, four registers per Vec
+//   portable  C++ only (TUTEL_JAX_PORTABLE): no intrinsics, arithmetic decoders the compiler vectorizes as it can
+// Everything the ISA changes is here: the E2M1 decoder `e2m1`, the horizontal sum, the pair spread of NVFP4
+// scales, and the register budget (rows per register pass, tile sizes).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(TUTEL_JAX_PORTABLE)
+#define TJ_ISA_PORTABLE 1
+#elif defined(__AVX512F__)
+#define TJ_ISA_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TJ_ISA_AVX2 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define TJ_ISA_NEON 1
+#include <arm_neon.h>
+#else
+#define TJ_ISA_PORTABLE 1
+#endif
+
+// Every helper below is forced inline (a vector that crosses a call may go through memory).
+#define TJ_INLINE inline __attribute__((always_inline))
+
+namespace tj {
+
+// The ids tutel_jax/native/build.py knows them by (ISAS there).
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
+
+#if defined(TJ_ISA_AVX512)
+constexpr Isa kIsa = kAvx512;
+constexpr int kNativeLanes = 16;  // floats per register
+constexpr int kMaxRows = 8;       // activation rows per register pass over a packed row (then: decoded tiles)
+constexpr int kTileX = 4, kTileW = 4;  // register tile of the many-row form: activation rows x weight rows
+constexpr int kColTileRows = 4, kColTileVectors = 4;  // float_cols' register tile: rows x Native vectors
+#elif defined(TJ_ISA_AVX2)
+constexpr Isa kIsa = kAvx2;
+constexpr int kNativeLanes = 8;
+constexpr int kMaxRows = 4;
+constexpr int kTileX = 3, kTileW = 3;
+constexpr int kColTileRows = 4, kColTileVectors = 3;
+#elif defined(TJ_ISA_NEON)
+constexpr Isa kIsa = kNeon;
+constexpr int kNativeLanes = 4;
+constexpr int kMaxRows = 8;
+constexpr int kTileX = 4, kTileW = 4;
+constexpr int kColTileRows = 4, kColTileVectors = 6;
+#else
+constexpr Isa kIsa = kPortable;
+constexpr int kNativeLanes = 8;
+constexpr int kMaxRows = 4;
+constexpr int kTileX = 2, kTileW = 2;
+constexpr int kColTileRows = 2, kColTileVectors = 4;
+#endif
+
+#if defined(TUTEL_JAX_REQUIRE_ISA)
+static_assert(int(kIsa) == TUTEL_JAX_REQUIRE_ISA, "the compiler flags do not target the requested instruction set");
+#endif
+
+// One register of floats, of uint32, and the bytes that widen to one register.
+typedef float Native __attribute__((vector_size(kNativeLanes * sizeof(float))));
+typedef uint32_t UNative __attribute__((vector_size(kNativeLanes * sizeof(uint32_t))));
+typedef uint16_t HNative __attribute__((vector_size(kNativeLanes * sizeof(uint16_t))));
+typedef uint8_t BNative __attribute__((vector_size(kNativeLanes)));
+
+template <typename V = Native>
+TJ_INLINE V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+TJ_INLINE Native load(const uint16_t* p) {  // bfloat16: bits << 16 are the float32 bits
+  HNative h;
+  std::memcpy(&h, p, sizeof(h));
+  return (Native)(__builtin_convertvector(h, UNative) << 16);
+}
+
+template <typename V>
+TJ_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
+TJ_INLINE Native splat(float s) { return Native{} + s; }
+TJ_INLINE UNative splat_u(uint32_t s) { return UNative{} + s; }
+TJ_INLINE UNative select(UNative mask, UNative a, UNative b) { return (a & mask) | (b & ~mask); }  // mask ? a : b
+
+TJ_INLINE UNative load_bytes(const uint8_t* p) {  // kNativeLanes bytes, one per lane
+  BNative b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, UNative);
+}
+
+TJ_INLINE UNative load_words(const uint8_t* p) {  // 4 bytes per lane
+  UNative v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+TJ_INLINE void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The sum of a vector's lanes, halving.
+template <typename V>
+TJ_INLINE float reduce_add(V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  float t[n];
+  std::memcpy(t, &v, sizeof(v));
+  for (int w = n / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+#if defined(TJ_ISA_AVX512)
+template <>
+TJ_INLINE float reduce_add<Native>(Native v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// The E2M1 value of the low 4 bits of each lane (the bits above are ignored), exactly kE2M1[bits & 15].
+TJ_INLINE Native e2m1(UNative v) {
+#if defined(TJ_ISA_AVX512)
+  return _mm512_permutexvar_ps((__m512i)v, _mm512_loadu_ps(kE2M1));
+#elif defined(TJ_ISA_AVX2)
+  // An 8-entry permute reads the low 3 bits c; the table holds E2M1(c) with c xor-ed into bits 28-30, so xor-ing
+  // v << 28 (c at bits 28-30, bit 3 at the sign) gives E2M1(c) back with bit 3 as its sign: 4 operations.
+  const __m256i table = _mm256_setr_epi32(0x00000000, 0x3F000000 ^ (1 << 28), 0x3F800000 ^ (2 << 28),
+                                          0x3FC00000 ^ (3 << 28), 0x40000000 ^ (4 << 28), 0x40400000 ^ (5 << 28),
+                                          0x40800000 ^ (6 << 28), 0x40C00000 ^ (7 << 28));
+  const __m256i h = (__m256i)v;
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_castsi256_ps(table), h),
+                       _mm256_castsi256_ps(_mm256_slli_epi32(h, 28)));
+#elif defined(TJ_ISA_NEON)
+  // a 64-byte table lookup: bytes 4c .. 4c+3 of the table are value c's float32
+  const uint8x16x4_t table = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(kE2M1));
+  const uint32x4_t idx = vmlaq_n_u32(vdupq_n_u32(0x03020100u), vandq_u32(v, vdupq_n_u32(15)), 0x04040404u);
+  return vreinterpretq_f32_u8(vqtbl4q_u8(table, vreinterpretq_u8_u32(idx)));
+#else
+  // E2M1 magnitude c = eem: e > 0: 2^(e-1) * (1 + m/2); e = 0: m / 2
+  const UNative c = v & 7u, e = c >> 1, m = c & 1u;
+  const UNative normal = ((e + 126u) << 23) | (m << 22), sub = m * 0x3F000000u;
+  return (Native)(select((UNative)(c >= splat_u(2)), normal, sub) | ((v & 8u) << 28));
+#endif
+}
+
+// e4m3fn codes (one per lane, the low 8 bits) -> float32, with no subnormal float32 on the way (a
+// denormals-are-zero thread would read one as 0); the NaN code 0x7F decodes as 480 (callers that meet NaN codes
+// check for them).
+TJ_INLINE Native e4m3(UNative b) {
+  const UNative mag = b & 0x7Fu;
+  const UNative normal = (mag << 20) + (120u << 23);
+  const UNative sub = (UNative)(__builtin_convertvector(mag, Native) * 0x1p-9f);  // exponent 0: m * 2^-9
+  return (Native)(select((UNative)(mag < splat_u(8)), sub, normal) | ((b & 0x80u) << 24));
+}
+
+// [s0, s0, s1, s1, ..] (kNativeLanes lanes) from kNativeLanes / 2 floats.
+TJ_INLINE Native spread_pairs(const float* s) {
+#if defined(TJ_ISA_AVX512)
+  const __m512i lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(_mm256_loadu_ps(s)));
+#elif defined(TJ_ISA_AVX2)
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+#elif defined(TJ_ISA_NEON)
+  const float32x2_t two = vld1_f32(s);
+  return vcombine_f32(vdup_lane_f32(two, 0), vdup_lane_f32(two, 1));
+#else
+  Native r;
+  for (int l = 0; l < kNativeLanes; ++l) r[l] = s[l / 2];
+  return r;
+#endif
+}
+
+}  // namespace tj
+
+// Which instruction set this library was built for (the Python side's `native.isa()`).
+extern "C" __attribute__((used, visibility("default"))) int TutelJaxIsa() { return int(tj::kIsa); }
