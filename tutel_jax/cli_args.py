@@ -158,3 +158,13 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
+
+
+MODEL_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` of the commands that load a checkpoint (`models.from_pretrained`'s dtype; default 'auto')."""
+    parser.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                        help="the model's float weights and activations (packed expert weights stay packed); auto "
+                             "(default): the checkpoint's own where it is bfloat16, else float32")

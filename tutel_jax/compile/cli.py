@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ..layer import execution
 from ..models.dequant import check_quantization_config
-from ..models.quant_layout import checkpoint_layout
+from ..models.quant_layout import checkpoint_layout, stored_float_dtype
 from ..models.spec import spec_from_config
 from .driver import compile_model
 from .hardware import HARDWARE
@@ -118,7 +118,10 @@ def _check_config(config: dict) -> None:
 def _dtype(config: dict, name: str | None) -> str:
     if name is not None:
         return name
-    stored = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    try:
+        stored = stored_float_dtype(config)
+    except ValueError:
+        return "bfloat16"
     return stored if stored in DTYPES else "bfloat16"
 
 

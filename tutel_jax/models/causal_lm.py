@@ -29,7 +29,7 @@ from .hf_tables import load_params
 from .layer_programs import LayerPrograms
 from .layers import AttnContext, check_dense_impl
 from .placement import MeshPlacement
-from .quant_layout import check_checkpoint_header
+from .quant_layout import auto_compute_dtype, check_checkpoint_header
 from .spec import DecoderSpec, read_config, spec_from_config
 
 __all__ = ["CausalLM", "from_pretrained", "PER_LAYER_MIN_LAYERS", "PER_LAYER_JIT_CHOICES"]
@@ -98,6 +98,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     per_layer_jit: bool | str = "auto", check_finite: bool = True) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
+    `dtype` of the float weights and activations (packed expert weights stay packed); 'auto': the checkpoint's
+    own where it is bfloat16, else float32 (`quant_layout.auto_compute_dtype`).
+
     Quantized checkpoints (FP8 128x128 blocks, MXFP4, NVFP4; `quantization_config` in config.json) keep their
     weights packed in memory (`dequant.QuantizedTensors`); the matmuls dequantize (`tutel_jax.quant.weights`).
     `dequantize=True` (or FP8 with other block sizes) dequantizes to float32 at load instead.
@@ -134,6 +137,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     config = read_config(config_file)  # bounded: size and nesting checked before parsing
     # every field the loaders read, checked in one pass before anything is sized from the config
     spec = spec_from_config(config, where=str(config_file))
+    if isinstance(dtype, str) and dtype == "auto":
+        try:
+            dtype = jnp.dtype(auto_compute_dtype(config))
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from None
     try:
         check_quantization_config(config)
     except ValueError as e:

@@ -31,7 +31,7 @@ from . import generate
 from .tokenizer import eos_token_ids
 
 from ..layer import execution
-from ..cli_args import CommandParser, checked, int_in_range
+from ..cli_args import CommandParser, add_dtype_argument, checked, int_in_range
 from .sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 from .tokenizer import IncrementalDecoder, encode, load_tokenizer
 
@@ -74,6 +74,7 @@ def _parser() -> CommandParser:
                     help="also stop at the checkpoint's eos_token_id(s) (config.json, generation_config.json)")
     ap.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     ap.add_argument("--on-device", action="store_true", help="all decode steps in one compiled lax.scan")
+    add_dtype_argument(ap)
     execution.add_arguments(ap)
     return ap
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return ap.fail(e)
     try:
-        model = models.from_pretrained(args.checkpoint, progress=None, **knobs.set_fields())
+        model = models.from_pretrained(args.checkpoint, dtype=args.dtype, progress=None, **knobs.set_fields())
     except (ValueError, OSError, NativeKernelError) as e:  # a bad checkpoint / option: one line, no traceback
         return ap.fail(f"cannot load {args.checkpoint}: {e}")
     if model.spec.ffn.count("moe") and model.config.get("quantization_config"):

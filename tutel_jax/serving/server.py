@@ -48,7 +48,8 @@ import logging
 import socket
 
 from ..layer import execution
-from ..cli_args import CommandParser, int_at_least, int_in_range, non_negative_float, positive_float
+from ..cli_args import (CommandParser, add_dtype_argument, int_at_least, int_in_range, non_negative_float,
+                        positive_float)
 from ..native import NativeKernelError
 from .api_errors import APIError
 from .app import Server, create_app
@@ -109,8 +110,7 @@ def _parser():
     p.add_argument("--warmup-max-tokens", type=int_at_least(1), default=2,
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the model's float weights and activations (packed expert weights stay packed)")
+    add_dtype_argument(p)
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     execution.add_arguments(p)

@@ -32,7 +32,7 @@ class ServerConfig:
     warmup_max_tokens: int = 2
     execution: Execution = Execution()  # how the loaded model runs: kernels, dropless path, dense path, per-layer
                                         # programs (`tutel_jax.layer.execution`; unset fields: the library's defaults)
-    dtype: str = "float32"          # the model's float dtype when the app loads it ('float32' or 'bfloat16')
+    dtype: str = "auto"             # the model's float dtype when the app loads it ('auto', 'float32' or 'bfloat16')
     max_request_bytes: int = 4 * MIB  # a larger body is answered 413 before it is read
     read_timeout_s: float = 30.0    # a request whose headers or body take longer to arrive is answered 408
     template_max_chars: int = 4 * MIB   # a chat template's rendered prompt, and any value it builds, at most
