@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import importlib
 
+import jax
 import numpy as np
 import pytest
 
+from support.paths import HF
+from tutel_jax.models import from_pretrained
 from tutel_jax.serving import generate, left_align, steps
 from tutel_jax.serving.continuous import ContinuousBatcher, Request
 from tutel_jax.serving.generate import left_pad
@@ -54,3 +57,25 @@ def test_both_paths_give_the_same_tokens_for_mixed_prompt_lengths(model, sampled
         batcher.add(req)
     batcher.run()
     assert [r.tokens for r in reqs] == offline.tolist()
+
+
+@pytest.mark.parametrize("per_layer_jit", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_warm_generate_compiles_nothing(per_layer_jit, temperature):
+    """Once a batch shape has run, `generate` again compiles no program: with per-layer programs too, where the
+    step bodies run eagerly around them (the sampler is one compiled program, not traced again at each step)."""
+    model = from_pretrained(HF / "qwen3_moe", per_layer_jit=per_layer_jit)
+    ids = np.array([[3, 17, 42, 5]], np.int32)
+    generate(model, ids, 6, temperature=temperature, seed=1)
+    compiled = []
+
+    def listen(event: str, *_args, **_kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        generate(model, ids, 6, temperature=temperature, seed=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []

@@ -146,6 +146,8 @@ def sample_step(logits: jax.Array, steps: jax.Array, sampling: RowSampling) -> j
                        sampling.top_k, sampling.top_p)
 
 
+@jax.jit  # one program: a model with per-layer programs runs the step bodies eagerly around them, where the
+# sampler's lax.cond would be traced and compiled again at every step
 def _next_tokens(logits: jax.Array, steps: jax.Array, sampling: RowSampling):
     """(tokens [B], finite [B], last logits [B, V]) from the model's logits [B, T, V]: its last column."""
     last = logits[:, -1]
