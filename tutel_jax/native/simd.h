@@ -40,31 +40,26 @@ namespace tj {
 // The ids tutel_jax/native/build.py knows them by (ISAS there).
 enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 
+// What the register file of each ISA holds: the register width in floats, activation rows per register pass over
+// a packed row (more rows: decoded tiles), the many-row form's register tile (activation rows x weight rows) and
+// float_cols' register tile (rows x registers of columns).
+struct RegisterBudget {
+  Isa isa;
+  int lanes, max_rows, tile_x, tile_w, col_tile_rows, col_tile_vectors;
+};
 #if defined(TJ_ISA_AVX512)
-constexpr Isa kIsa = kAvx512;
-constexpr int kNativeLanes = 16;  // floats per register
-constexpr int kMaxRows = 8;       // activation rows per register pass over a packed row (then: decoded tiles)
-constexpr int kTileX = 4, kTileW = 4;  // register tile of the many-row form: activation rows x weight rows
-constexpr int kColTileRows = 4, kColTileVectors = 4;  // float_cols' register tile: rows x Native vectors
+constexpr RegisterBudget kBudget{kAvx512, 16, 8, 4, 4, 4, 4};  // 32 registers of 16
 #elif defined(TJ_ISA_AVX2)
-constexpr Isa kIsa = kAvx2;
-constexpr int kNativeLanes = 8;
-constexpr int kMaxRows = 4;
-constexpr int kTileX = 3, kTileW = 3;
-constexpr int kColTileRows = 4, kColTileVectors = 3;
+constexpr RegisterBudget kBudget{kAvx2, 8, 4, 3, 3, 4, 3};  // 16 registers of 8
 #elif defined(TJ_ISA_NEON)
-constexpr Isa kIsa = kNeon;
-constexpr int kNativeLanes = 4;
-constexpr int kMaxRows = 8;
-constexpr int kTileX = 4, kTileW = 4;
-constexpr int kColTileRows = 4, kColTileVectors = 6;
+constexpr RegisterBudget kBudget{kNeon, 4, 8, 4, 4, 4, 6};  // 32 registers of 4
 #else
-constexpr Isa kIsa = kPortable;
-constexpr int kNativeLanes = 8;
-constexpr int kMaxRows = 4;
-constexpr int kTileX = 2, kTileW = 2;
-constexpr int kColTileRows = 2, kColTileVectors = 4;
+constexpr RegisterBudget kBudget{kPortable, 8, 4, 2, 2, 2, 4};
 #endif
+constexpr Isa kIsa = kBudget.isa;
+constexpr int kNativeLanes = kBudget.lanes, kMaxRows = kBudget.max_rows;
+constexpr int kTileX = kBudget.tile_x, kTileW = kBudget.tile_w;
+constexpr int kColTileRows = kBudget.col_tile_rows, kColTileVectors = kBudget.col_tile_vectors;
 
 #if defined(TUTEL_JAX_REQUIRE_ISA)
 static_assert(int(kIsa) == TUTEL_JAX_REQUIRE_ISA, "the compiler flags do not target the requested instruction set");
