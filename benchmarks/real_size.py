@@ -405,7 +405,9 @@ def _merged(out: Path, results: list[dict[str, Any]], settings: Settings) -> lis
         old = json.loads(out.read_text())
     except (OSError, ValueError):
         return results
-    if old.get("settings") != json.loads(json.dumps(dataclasses.asdict(settings))):
+    # read_mib only sizes the read-bandwidth measurement: rows from before it keep their copy ratio, marked so
+    same = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(settings))).items() if k != "read_mib"}
+    if {k: v for k, v in old.get("settings", {}).items() if k != "read_mib"} != same:
         return results
     new = {r["model"] for r in results}
     kept = [dict(r, date=r.get("date", old.get("machine", {}).get("date")))

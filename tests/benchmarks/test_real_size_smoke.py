@@ -5,6 +5,10 @@ the result's structure are."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+from benchmarks import real_size
 from support.benchmark_run import run_quick
 
 
@@ -37,3 +41,18 @@ def test_real_size_benchmark_quick(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| gpt-oss-20b-tiny |" in md and "peak RSS" in md
     assert f"read {result['read_gbps']:.1f} GB/s with {result['read_threads']} threads" in md
+
+
+def test_rows_of_other_models_are_kept_across_the_read_bandwidth_setting(tmp_path):
+    """Re-measuring one model keeps the others' rows when only `read_mib` (the read-bandwidth buffer, which
+    earlier rows did not measure) differs; any other setting drops them."""
+    settings = real_size.Settings()
+    now = json.loads(json.dumps(dataclasses.asdict(settings)))
+    before = {k: v for k, v in now.items() if k != "read_mib"}
+    out = tmp_path / "real_size_cpu.json"
+    other = {"model": "qwen3-30b-a3b-half", "decode": {}}
+    out.write_text(json.dumps({"settings": before, "machine": {"date": "d0"}, "results": [other]}))
+    merged = real_size._merged(out, [{"model": "gpt-oss-20b"}], settings)
+    assert [r["model"] for r in merged] == ["gpt-oss-20b", "qwen3-30b-a3b-half"] and merged[1]["date"] == "d0"
+    out.write_text(json.dumps({"settings": dict(before, prompt_len=7), "results": [other]}))
+    assert [r["model"] for r in real_size._merged(out, [{"model": "gpt-oss-20b"}], settings)] == ["gpt-oss-20b"]
