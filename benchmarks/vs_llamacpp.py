@@ -7,7 +7,7 @@ Every step is cached in --work-dir (default `$TUTEL_JAX_CACHE/vs_llamacpp`, else
 outside the repository):
   llama.cpp   the `llama-cpp-python` source distribution at LLAMA_CPP_PYTHON (from the package registry; it
               vendors llama.cpp, whose commit its changelog names), built with cmake + ninja and
-              `-DGGML_NATIVE=ON`: llama-bench and llama-batched-bench;
+              `-DGGML_NATIVE=ON`: llama-bench, llama-batched-bench and llama-server;
   converter   a virtual environment with llama.cpp's converter requirements (PyTorch CPU, transformers,
               sentencepiece, protobuf, the vendored gguf-py);
   checkpoint  `benchmarks/make_real_size.py`'s model (random weights in the released layout);
@@ -21,6 +21,12 @@ outside the repository):
               batch 1 and 16 at batch 8, after compiling runs). Both run pinned to the same --threads CPUs
               (llama.cpp with `-t` threads, XLA's pool on those CPUs), with the same environment. Each child's
               peak RSS comes from wait4.
+  serving     after the rounds, once each: `tutel-jax serve` (`real_size.measure_serving`: continuous batching of
+              4 rows, 256 slots each) and llama.cpp's `llama-server` (`-np 4`, a 1024-token context: 256 per
+              slot) under the same load: 4 concurrent clients send 8 completions of 8 greedy tokens after 16-token
+              prompts (random ids below 256, in both vocabularies) to /v1/completions; req/s, tokens/s and p50 /
+              p99 latency (`benchmarks/serve.run_level`, one untimed level first). `--serving-only` measures this
+              alone and adds it to an existing results file of the same model.
 The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
 5). `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1 (`real_size.decode_bytes`) x tok/s /
 the read bandwidth. Medians over rounds. Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
@@ -52,6 +58,8 @@ CONVERTER_REQUIREMENTS = ("torch==2.13.0+cpu", "transformers", "sentencepiece", 
 PROMPT, DECODE_B1, DECODE_B8, BATCH = 512, 64, 16, 8
 QUICK_PROMPT, QUICK_DECODE = 32, 4
 METRICS = ("decode_b1_tok_s", "prefill_512_tok_s", "decode_b8_tok_s", "peak_rss_bytes", "load_seconds")
+SERVE_CLIENTS, SERVE_REQUESTS, SERVE_MAX_TOKENS, SERVE_PROMPT, SERVE_SLOT_LEN = 4, 8, 8, 16, 256
+LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 
 
 def default_work_dir() -> Path:
@@ -86,12 +94,13 @@ def llama_cpp_source(work: Path) -> tuple[Path, str]:
 
 
 def build_llama_cpp(work: Path, llama: Path, commit: str) -> Path:
-    """The directory of the built llama-bench and llama-batched-bench (built once)."""
+    """The directory of the built LLAMA_TOOLS (built once)."""
     build = work / "build"
-    if not (build / "bin" / "llama-batched-bench").exists():
-        _run(["cmake", "-S", str(llama), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_COMMIT={commit}"])
-        _run(["ninja", "-C", str(build), "llama-bench", "llama-batched-bench"])
+    if not all((build / "bin" / tool).exists() for tool in LLAMA_TOOLS):
+        if not (build / "build.ninja").exists():
+            _run(["cmake", "-S", str(llama), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                  "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_COMMIT={commit}"])
+        _run(["ninja", "-C", str(build), *LLAMA_TOOLS])
     return build / "bin"
 
 
@@ -238,6 +247,75 @@ def child(model_dir: Path, quick: bool) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 
 
+def serving_prompts() -> list[list[int]]:
+    """The serving load's prompts: SERVE_PROMPT random ids below 256 each (`real_size.measure_serving`'s)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 256, SERVE_PROMPT).tolist() for _ in range(SERVE_REQUESTS)]
+
+
+def measure_load(base: str) -> dict:
+    """The serving load on a server at `base` (OpenAI /v1/completions): one untimed level, then the timed one."""
+    from benchmarks.serve import _quantile, run_level
+
+    prompts = serving_prompts()
+    run_level(base, SERVE_CLIENTS, SERVE_CLIENTS, prompts, SERVE_MAX_TOKENS)  # untimed: connections, caches
+    lat, wall, toks = run_level(base, SERVE_CLIENTS, SERVE_REQUESTS, prompts, SERVE_MAX_TOKENS)
+    return {"requests_per_s": SERVE_REQUESTS / wall, "tokens_per_s": toks / wall, "wall_s": wall,
+            "latency_p50_s": _quantile(lat, 0.5), "latency_p99_s": _quantile(lat, 0.99)}
+
+
+def llama_cpp_serving(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], env: dict[str, str]) -> dict:
+    """`llama-server` (SERVE_CLIENTS parallel slots of SERVE_SLOT_LEN tokens) under the serving load."""
+    import httpx
+
+    from benchmarks.serve import free_port, stop_server
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-np", str(SERVE_CLIENTS),
+           "-c", str(SERVE_CLIENTS * SERVE_SLOT_LEN), "--host", "127.0.0.1", "--port", str(port)]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, env=env, preexec_fn=_pinned(cpus))
+        try:
+            start, deadline = time.perf_counter(), time.monotonic() + 900
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"llama-server exited ({proc.returncode}): {log.read()[-2000:]}")
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not become healthy within 900 s")
+                time.sleep(0.5)
+            return {"startup_s": time.perf_counter() - start, **measure_load(base)}
+        finally:
+            stop_server(proc, timeout=30)
+
+
+def tutel_jax_serving(model_dir: Path) -> dict:
+    """`tutel-jax serve` under the serving load (`real_size.measure_serving`, which also checks the openai
+    client's chat completions first)."""
+    from benchmarks.real_size import Settings, measure_serving
+
+    out = measure_serving(model_dir, Settings(serve_clients=SERVE_CLIENTS, serve_requests=SERVE_REQUESTS,
+                                              serve_max_tokens=SERVE_MAX_TOKENS, serve_max_len=SERVE_SLOT_LEN))
+    keys = ("startup_s", "requests_per_s", "tokens_per_s", "wall_s", "latency_p50_s", "latency_p99_s")
+    return {k: out[k] for k in keys}
+
+
+def serving_result(model_dir: Path, bin_dir: Path, gguf: Path, threads: int, cpus: list[int],
+                   env: dict[str, str]) -> dict:
+    load = {"clients": SERVE_CLIENTS, "requests": SERVE_REQUESTS, "max_tokens": SERVE_MAX_TOKENS,
+            "prompt_tokens": SERVE_PROMPT, "slot_len": SERVE_SLOT_LEN}
+    return {**load, "tutel_jax": tutel_jax_serving(model_dir),
+            "llama_cpp": llama_cpp_serving(bin_dir, gguf, threads, cpus, env)}
+
+
 def medians(rounds: list[dict]) -> dict:
     out = {}
     for key in METRICS:
@@ -264,7 +342,19 @@ def markdown(result: dict) -> str:
             f"{result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({result['read_bandwidth_method']}); tutel-jax "
             f"reads {tj['bytes_per_step_b1'] / 1e9:.2f} GB per decode step at batch 1: roofline_b1 "
             f"{tj['roofline_b1']:.2f}. tutel-jax's native kernels: {tj.get('isa', 'not recorded')}.")
-    return f"{head}\n\n{table}\n"
+    text = f"{head}\n\n{table}\n"
+    serving = result.get("serving")
+    if serving:
+        rows = []
+        for name, key in (("tutel-jax serve", "tutel_jax"), ("llama.cpp llama-server", "llama_cpp")):
+            r = serving[key]
+            rows.append([name, f"{r['requests_per_s']:.2f}", f"{r['tokens_per_s']:.2f}",
+                         f"{r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f}"])
+        text += (f"\nServing: {serving['clients']} concurrent clients, {serving['requests']} completions of "
+                 f"{serving['max_tokens']} greedy tokens after {serving['prompt_tokens']}-token prompts "
+                 f"(/v1/completions), {serving['clients']} slots of {serving['slot_len']} tokens.\n\n"
+                 + markdown_table(["server", "req/s", "tokens/s", "p50 / p99 latency (s)"], rows, "lrrr"))
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,11 +365,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="the tiny layout, tutel-jax only (the CI smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_llamacpp.json")
+    parser.add_argument("--serving-only", action="store_true",
+                        help="measure the serving comparison alone and add it to the --out file of the same model")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child(args.child, args.quick)))
         return 0
+    if args.serving_only and args.quick:
+        parser.error("--serving-only needs llama.cpp: not with --quick")
+    if args.serving_only:
+        try:
+            previous = json.loads(args.out.read_text())
+        except (OSError, ValueError) as e:
+            parser.error(f"--serving-only adds to an existing results file: {args.out}: {e}")
+        if previous.get("model") != args.model:
+            parser.error(f"--serving-only: {args.out} holds {previous.get('model')!r}, not {args.model!r}")
 
     from benchmarks import make_real_size
     from tutel_jax.native.bandwidth import read_bandwidth, usable_cpus
@@ -297,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         llama, commit = llama_cpp_source(work)
         bin_dir = build_llama_cpp(work, llama, commit)
         gguf = convert_to_gguf(work, llama, converter_python(work, llama), model_dir)
+    if args.serving_only:
+        previous["serving"] = serving_result(model_dir, bin_dir, gguf, threads, cpus, env)
+        write_json(args.out, previous)
+        write_text(args.out.with_suffix(".md"), markdown(previous))
+        print(markdown(previous))
+        return 0
     rounds_ll, rounds_tj = [], []
     for i in range(args.rounds):  # interleaved: each system sees the machine in the same state, round by round
         if gguf is not None:
@@ -318,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if rounds_ll:
         result["llama_cpp"] = {**medians(rounds_ll), "commit": commit}
         result["llama_cpp_rounds"] = rounds_ll
+        result["serving"] = serving_result(model_dir, bin_dir, gguf, threads, cpus, env)
     write_json(args.out, result)
     write_text(args.out.with_suffix(".md"), markdown(result))
     print(markdown(result))

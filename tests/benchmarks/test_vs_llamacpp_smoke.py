@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from benchmarks import vs_llamacpp
 from support.benchmark_run import run_quick
 from tutel_jax.native import build
 
@@ -22,3 +27,27 @@ def test_vs_llamacpp_quick(tmp_path):
     assert tj["roofline_b1"] == tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / result["read_bandwidth_bytes_per_s"]
     md = out.with_suffix(".md").read_text()
     assert "| decode, batch 1 (tok/s) |" in md and "not run" in md
+
+
+def test_serving_table_and_serving_only_errors(tmp_path, capsys):
+    """The serving comparison's table, and --serving-only's refusals (one line, exit 2): with --quick, without an
+    existing results file, or with another model's."""
+    one = {"requests_per_s": 0.5, "tokens_per_s": 4.0, "wall_s": 16.0, "latency_p50_s": 8.1, "latency_p99_s": 8.3}
+    result = {"model": "m", "threads": 2, "rounds": 1, "read_bandwidth_bytes_per_s": 2e10,
+              "read_bandwidth_method": "x", "prompt_len": 512,
+              "tutel_jax": {"decode_b1_tok_s": 1.0, "bytes_per_step_b1": 1e9, "roofline_b1": 0.05},
+              "serving": {"clients": 4, "requests": 8, "max_tokens": 8, "prompt_tokens": 16, "slot_len": 256,
+                          "tutel_jax": one, "llama_cpp": dict(one, requests_per_s=0.25)}}
+    md = vs_llamacpp.markdown(result)
+    assert "| tutel-jax serve | 0.50 | 4.00 | 8.10 / 8.30 |" in md
+    assert "| llama.cpp llama-server | 0.25 | 4.00 | 8.10 / 8.30 |" in md
+    out = tmp_path / "r.json"
+    for argv, message in ((["--serving-only", "--quick"], "not with --quick"),
+                          (["--serving-only", "--out", str(out)], "adds to an existing results file"),):
+        with pytest.raises(SystemExit) as e:
+            vs_llamacpp.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    out.write_text(json.dumps({"model": "other"}))
+    with pytest.raises(SystemExit) as e:
+        vs_llamacpp.main(["--serving-only", "--out", str(out)])
+    assert e.value.code == 2 and "holds 'other', not 'gpt-oss-20b'" in capsys.readouterr().err
