@@ -48,7 +48,6 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                  healthy_within_s: float = 180):
     """(server process, base URL) of a server started with `--batching` + the words of `batching` (and
     `extra_args`), once /health answers (within `healthy_within_s`: loading and warmup compiles)."""
-    import httpx
     port = free_port()
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -59,18 +58,29 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                              *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens), *extra_args],
                             cwd=repo_root(), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + healthy_within_s
+    try:
+        wait_healthy(proc, base, healthy_within_s)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, base
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, within_s: float) -> None:
+    """Returns once GET base/health answers 200; RuntimeError when the process exits first or `within_s` seconds
+    pass (any OpenAI-style server: tutel-jax's, llama.cpp's)."""
+    import httpx
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+    raise RuntimeError(f"server did not become healthy within {within_s:.0f} s")
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -268,9 +268,7 @@ def measure_load(base: str) -> dict:
 
 def llama_cpp_serving(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], env: dict[str, str]) -> dict:
     """`llama-server` (SERVE_CLIENTS parallel slots of SERVE_SLOT_LEN tokens) under the serving load."""
-    import httpx
-
-    from benchmarks.serve import free_port, stop_server
+    from benchmarks.serve import free_port, stop_server, wait_healthy
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -279,19 +277,12 @@ def llama_cpp_serving(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], 
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, env=env, preexec_fn=_pinned(cpus))
         try:
-            start, deadline = time.perf_counter(), time.monotonic() + 900
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"llama-server exited ({proc.returncode}): {log.read()[-2000:]}")
-                try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("llama-server did not become healthy within 900 s")
-                time.sleep(0.5)
+            start = time.perf_counter()
+            try:
+                wait_healthy(proc, base, 900)
+            except RuntimeError as e:
+                log.seek(0)
+                raise RuntimeError(f"llama-server: {e}: {log.read()[-2000:]}") from None
             return {"startup_s": time.perf_counter() - start, **measure_load(base)}
         finally:
             stop_server(proc, timeout=30)
