@@ -299,7 +299,7 @@ def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
     greedy, serve_max_tokens tokens): req/s, tokens/s, p50/p99 latency."""
     import openai
 
-    from benchmarks.serve import _quantile, run_level, start_server, stop_server
+    from benchmarks.serve import start_server, stop_server, timed_load
 
     s = settings
     rows = [1 << i for i in range(s.serve_clients.bit_length()) if 1 << i <= s.serve_clients]
@@ -319,13 +319,8 @@ def measure_serving(model_dir: Path, settings: Settings) -> dict[str, Any]:
                                                          max_tokens=s.serve_max_tokens, temperature=0, stream=True))
             out.update(chat_completion_tokens=chat.usage.completion_tokens, chat_finish=chat.choices[0].finish_reason,
                        stream_chunks=len(chunks), stream_finish=chunks[-1].choices[0].finish_reason)
-            rng = np.random.default_rng(1)
-            prompts = [rng.integers(0, 256, 16).tolist() for _ in range(s.serve_requests)]
-            run_level(base, s.serve_clients, s.serve_clients, prompts, s.serve_max_tokens)  # untimed
-            lat, wall, toks = run_level(base, s.serve_clients, s.serve_requests, prompts, s.serve_max_tokens)
-            out.update(clients=s.serve_clients, requests=s.serve_requests, wall_s=wall,
-                       requests_per_s=s.serve_requests / wall, tokens_per_s=toks / wall,
-                       latency_p50_s=_quantile(lat, 0.5), latency_p99_s=_quantile(lat, 0.99))
+            out.update(clients=s.serve_clients, requests=s.serve_requests,
+                       **timed_load(base, s.serve_clients, s.serve_requests, s.serve_max_tokens))
         finally:
             stop_server(proc)
     return out

@@ -116,6 +116,18 @@ def run_level(base: str, c: int, n_requests: int, prompts, max_tokens: int):
     return [x for lat, _ in out for x in lat], wall, sum(t for _, t in out)
 
 
+def timed_load(base: str, clients: int, requests: int, max_tokens: int, prompt_len: int = 16) -> dict:
+    """A fixed serving load on the server at `base`: `requests` completions of `max_tokens` greedy tokens after
+    prompts of `prompt_len` random ids below 256 (seed 1), over `clients` threads; one untimed level first.
+    Returns req/s, tokens/s, wall seconds and p50 / p99 latency."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, prompt_len).tolist() for _ in range(requests)]
+    run_level(base, clients, clients, prompts, max_tokens)  # untimed: connections, caches
+    lat, wall, toks = run_level(base, clients, requests, prompts, max_tokens)
+    return {"requests_per_s": requests / wall, "tokens_per_s": toks / wall, "wall_s": wall,
+            "latency_p50_s": _quantile(lat, 0.5), "latency_p99_s": _quantile(lat, 0.99)}
+
+
 def _run_server(a, batching: str, prompts, rows: list) -> float:
     """Starts a server in `batching` mode, appends one result row per concurrency level; its startup time [s]."""
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log_file:

@@ -25,7 +25,7 @@ outside the repository):
               4 rows, 256 slots each) and llama.cpp's `llama-server` (`-np 4`, a 1024-token context: 256 per
               slot) under the same load: 4 concurrent clients send 8 completions of 8 greedy tokens after 16-token
               prompts (random ids below 256, in both vocabularies) to /v1/completions; req/s, tokens/s and p50 /
-              p99 latency (`benchmarks/serve.run_level`, one untimed level first). `--serving-only` measures this
+              p99 latency (`benchmarks/serve.timed_load`, one untimed level first). `--serving-only` measures this
               alone and adds it to an existing results file of the same model.
 The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
 5). `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1 (`real_size.decode_bytes`) x tok/s /
@@ -247,28 +247,9 @@ def child(model_dir: Path, quick: bool) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def serving_prompts() -> list[list[int]]:
-    """The serving load's prompts: SERVE_PROMPT random ids below 256 each (`real_size.measure_serving`'s)."""
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    return [rng.integers(0, 256, SERVE_PROMPT).tolist() for _ in range(SERVE_REQUESTS)]
-
-
-def measure_load(base: str) -> dict:
-    """The serving load on a server at `base` (OpenAI /v1/completions): one untimed level, then the timed one."""
-    from benchmarks.serve import _quantile, run_level
-
-    prompts = serving_prompts()
-    run_level(base, SERVE_CLIENTS, SERVE_CLIENTS, prompts, SERVE_MAX_TOKENS)  # untimed: connections, caches
-    lat, wall, toks = run_level(base, SERVE_CLIENTS, SERVE_REQUESTS, prompts, SERVE_MAX_TOKENS)
-    return {"requests_per_s": SERVE_REQUESTS / wall, "tokens_per_s": toks / wall, "wall_s": wall,
-            "latency_p50_s": _quantile(lat, 0.5), "latency_p99_s": _quantile(lat, 0.99)}
-
-
 def llama_cpp_serving(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], env: dict[str, str]) -> dict:
     """`llama-server` (SERVE_CLIENTS parallel slots of SERVE_SLOT_LEN tokens) under the serving load."""
-    from benchmarks.serve import free_port, stop_server, wait_healthy
+    from benchmarks.serve import free_port, stop_server, timed_load, wait_healthy
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -283,7 +264,8 @@ def llama_cpp_serving(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], 
             except RuntimeError as e:
                 log.seek(0)
                 raise RuntimeError(f"llama-server: {e}: {log.read()[-2000:]}") from None
-            return {"startup_s": time.perf_counter() - start, **measure_load(base)}
+            return {"startup_s": time.perf_counter() - start,
+                    **timed_load(base, SERVE_CLIENTS, SERVE_REQUESTS, SERVE_MAX_TOKENS, SERVE_PROMPT)}
         finally:
             stop_server(proc, timeout=30)
 

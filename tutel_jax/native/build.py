@@ -16,6 +16,7 @@ place, so concurrent first uses (e.g. test workers) never load a half-written fi
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -71,6 +72,7 @@ def compiler() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)  # the CPU does not change under a running process
 def _cpu_fingerprint() -> str:
     """The machine type plus, on Linux, the first CPU's model name and feature flags."""
     lines = []

@@ -22,12 +22,7 @@ constexpr int kStreamRows = 8;
 constexpr int kPrefetchRows = 8;   // weight rows the streaming form prefetches ahead
 
 inline float load_scalar(const float* p) { return *p; }
-inline float load_scalar(const uint16_t* p) {
-  uint32_t bits = uint32_t(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float load_scalar(const uint16_t* p) { return bf16_to_float(*p); }
 
 // out[r, 0:kTileCols] = sum_k a[r, k] * w[k, c0:c0+kTileCols] for R rows, accumulated in registers.
 template <int R, typename W>

@@ -42,16 +42,9 @@ inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
 inline bool is_packed(int fmt) { return fmt == kFp8Block || is_fp4(fmt); }
 inline bool is_rows(int fmt) { return is_packed(fmt) || fmt == kFloat32Rows || fmt == kBFloat16Rows; }
 
-constexpr int kChunk = 32;      // elements per decoded chunk (two 16-lane vectors)
+constexpr int kChunk = 32;      // elements per decoded chunk (kChunkVectors registers)
 constexpr int kFp8Tile = 128;   // FP8 scale block (both axes)
 
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
 // e4m3fn -> float32 with no subnormal float32 on the way (a denormals-are-zero thread would read one as 0).
 inline float e4m3_to_float(uint8_t b) {
@@ -207,29 +200,78 @@ struct MxShifts {
 // Wide chunks whose NVFP4 scales are decoded at a time (on the stack: 8 floats each).
 constexpr int64_t kNvScaleChunks = 64;
 
-// One FP4 row (codes [K/2], scale codes) times R arranged rows: wide chunks first (8 table decodes per register
-// of codes, one scale register applied to its partial sums), then 32-element chunks, then the rest.
-template <int R>
-inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float* table, bool nv, float global,
-                        bool global_mul, int64_t K, const float* xa, int64_t ldx, float* sums) {
-  const int64_t wide = K / kWide, narrow = (K - wide * kWide) / kChunk;
-  const MxShifts mx;
-  Native acc[R];
+// One FP4 row (codes [K/2], scale codes) read by wide chunks: `start(c)` once per chunk, then each register g's
+// codes (`codes_of`) and scales (`scale_of`); the 32-element chunks after them (`narrow`).
+struct Fp4Row {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const float* table;
+  bool nv, global_mul;
+  float global;
+  int64_t wide, narrow_count;  // wide chunks in the row, then 32-element chunks
+  MxShifts mx;
+  uint32_t four = 0;  // MXFP4: the chunk's 4 scale codes
   float nv_scales[8 * kNvScaleChunks];
-  for (int r = 0; r < R; ++r) acc[r] = Native{};
-  for (int64_t c = 0; c < wide; ++c) {
+
+  Fp4Row(const PackedWeight& w, const float* table_, int64_t n)
+      : codes(w.data + n * (w.K / 2)), scales(w.scale + n * w.scales_per_row()), table(table_), nv(is_nv(w.fmt)),
+        global_mul(w.fmt == kNvfp4Mul), global(w.global), wide(w.K / kWide),
+        narrow_count(w.K % kWide / kChunk) {}
+
+  TJ_INLINE void start(int64_t c) {
     if (nv && c % kNvScaleChunks == 0)
       nv_decode_scales(scales + 8 * c, 8 * std::min(kNvScaleChunks, wide - c), global, global_mul, table, nv_scales);
-    // a few lines ahead (into the next rows): memory and arithmetic overlap instead of taking turns
-    prefetch(codes + 64 * c + kPrefetchBytes);
-    uint32_t four = 0;
     if (!nv) std::memcpy(&four, scales + 4 * c, 4);
+  }
+  TJ_INLINE UNative codes_of(int64_t c, int g) const { return load_words(codes + 64 * c + 4 * kNativeLanes * g); }
+  TJ_INLINE Native scale_of(int64_t c, int g) const {
+    return nv ? spread_pairs(nv_scales + 8 * (c % kNvScaleChunks) + g * kNativeLanes / 2)
+              : mx_wide_scale(four, mx.shift[g]);
+  }
+  Fp4Chunks narrow() const {
+    const int64_t base = wide * kWide;
+    return Fp4Chunks{codes + base / 2, scales + base / (nv ? 16 : 32), table, nv};
+  }
+};
+
+// fn(chunks) with the chunk reader of row n of an FP8 or float-rows weight.
+template <typename Fn>
+TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
+  const int64_t K = w.K;
+  if (w.fmt == kFp8Block) {
+    const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
+    fn(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
+  } else if (w.fmt == kFloat32Rows) {
+    fn(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr});
+  } else {
+    fn(FloatRowChunks{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K});
+  }
+}
+
+// out[r] += dot of the 32-element chunks [0, count) with xa[r * ldx] for R rows: each chunk decoded once.
+template <int R, typename Chunks>
+TJ_INLINE void add_chunk_dots(const Chunks& chunks, int64_t count, const float* xa, int64_t ldx, Native* acc) {
+  for (int64_t c = 0; c < count; ++c) {
+    Native w[kChunkVectors];
+    chunks.get(c, w);
+    const float* xc = xa + c * kChunk;
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kChunkVectors; ++v) acc[r] += load(xc + r * ldx + v * kNativeLanes) * w[v];
+  }
+}
+
+// One FP4 row times R arranged rows: wide chunks first (8 table decodes per register of codes, one scale
+// register applied to its partial sums), then 32-element chunks; the rest is the caller's.
+template <int R>
+inline void fp4_dot_row(Fp4Row& row, const float* xa, int64_t ldx, Native* acc) {
+  for (int64_t c = 0; c < row.wide; ++c) {
+    row.start(c);
+    // a few lines ahead (into the next rows): memory and arithmetic overlap instead of taking turns
+    prefetch(row.codes + 64 * c + kPrefetchBytes);
     const float* xc = xa + c * kWide;
 #pragma GCC unroll 4
     for (int g = 0; g < kGroups; ++g) {
-      const UNative v = load_words(codes + 64 * c + 4 * kNativeLanes * g);
-      const Native s = nv ? spread_pairs(nv_scales + 8 * (c % kNvScaleChunks) + g * kNativeLanes / 2)
-                          : mx_wide_scale(four, mx.shift[g]);
+      const UNative v = row.codes_of(c, g);
       const float* xg = xc + g * kNativeLanes;
       Native part[R];
       {
@@ -241,34 +283,11 @@ inline void fp4_dot_row(const uint8_t* codes, const uint8_t* scales, const float
         const Native w = e2m1(v >> (4 * j));
         for (int r = 0; r < R; ++r) part[r] += load(xg + r * ldx + 16 * j) * w;
       }
+      const Native s = row.scale_of(c, g);
       for (int r = 0; r < R; ++r) acc[r] += part[r] * s;
     }
   }
-  const int64_t base = wide * kWide;
-  const Fp4Chunks ch{codes + base / 2, scales + base / (nv ? 16 : 32), table, nv};
-  for (int64_t c = 0; c < narrow; ++c) {
-    Native w[kChunkVectors];
-    ch.get(c, w);
-    const float* xc = xa + base + c * kChunk;
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunkVectors; ++v) acc[r] += load(xc + r * ldx + v * kNativeLanes) * w[v];
-  }
-  for (int r = 0; r < R; ++r) sums[r] = reduce_add(acc[r]);
-}
-
-// out[r] = dot(row, xa[r * ldx]) for R rows: each chunk decoded once, used by all R rows.
-template <int R, typename Chunks>
-inline void dot_row(const Chunks& chunks, int64_t full_chunks, const float* xa, int64_t ldx, float* sums) {
-  Native acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Native{};
-  for (int64_t c = 0; c < full_chunks; ++c) {
-    Native w[kChunkVectors];
-    chunks.get(c, w);
-    const float* xc = xa + c * kChunk;
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunkVectors; ++v) acc[r] += load(xc + r * ldx + v * kNativeLanes) * w[v];
-  }
-  for (int r = 0; r < R; ++r) sums[r] = reduce_add(acc[r]);
+  add_chunk_dots<R>(row.narrow(), row.narrow_count, xa + row.wide * kWide, ldx, acc);
 }
 
 // Row n's dot with R (<= kMaxRows) arranged activation rows, the K tail (K % 32) included.
@@ -276,18 +295,15 @@ template <int R>
 inline void packed_row_dots(const PackedWeight& w, const float* table, int64_t n, const float* x, int64_t ldx,
                             float* sums) {
   const int64_t K = w.K, full = K / kChunk;
-  if (w.fmt == kFp8Block) {
-    const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
-    dot_row<R>(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols}, full, x,
-               ldx, sums);
-  } else if (w.fmt == kFloat32Rows) {
-    dot_row<R>(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr}, full, x, ldx, sums);
-  } else if (w.fmt == kBFloat16Rows) {
-    dot_row<R>(FloatRowChunks{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K}, full, x, ldx, sums);
+  Native acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Native{};
+  if (is_fp4(w.fmt)) {
+    Fp4Row row(w, table, n);
+    fp4_dot_row<R>(row, x, ldx, acc);
   } else {
-    fp4_dot_row<R>(w.data + n * (K / 2), w.scale + n * w.scales_per_row(), table, is_nv(w.fmt), w.global,
-                   w.fmt == kNvfp4Mul, K, x, ldx, sums);
+    with_row_chunks(w, n, [&](const auto& chunks) { add_chunk_dots<R>(chunks, full, x, ldx, acc); });
   }
+  for (int r = 0; r < R; ++r) sums[r] = reduce_add(acc[r]);
   for (int64_t k = full * kChunk; k < K; ++k) {
     const float v = decode_one(w, table, n, k);
     for (int r = 0; r < R; ++r) sums[r] += v * x[r * ldx + k];
@@ -307,35 +323,19 @@ inline void decode_row(const PackedWeight& w, const float* table, int64_t n, flo
     done += count * kChunk;
   };
   if (is_fp4(w.fmt)) {
-    const uint8_t* codes = w.data + n * (K / 2);
-    const uint8_t* scales = w.scale + n * w.scales_per_row();
-    const bool nv = is_nv(w.fmt);
-    const int64_t wide = K / kWide;
-    const MxShifts mx;
-    float nv_scales[8 * kNvScaleChunks];
-    for (int64_t c = 0; c < wide; ++c) {
-      if (nv && c % kNvScaleChunks == 0)
-        nv_decode_scales(scales + 8 * c, 8 * std::min(kNvScaleChunks, wide - c), w.global, w.fmt == kNvfp4Mul,
-                         table, nv_scales);
-      uint32_t four = 0;
-      if (!nv) std::memcpy(&four, scales + 4 * c, 4);
+    Fp4Row row(w, table, n);
+    for (int64_t c = 0; c < row.wide; ++c) {
+      row.start(c);
       for (int g = 0; g < kGroups; ++g) {
-        const UNative v = load_words(codes + 64 * c + 4 * kNativeLanes * g);
-        const Native s = nv ? spread_pairs(nv_scales + 8 * (c % kNvScaleChunks) + g * kNativeLanes / 2)
-                            : mx_wide_scale(four, mx.shift[g]);
+        const UNative v = row.codes_of(c, g);
+        const Native s = row.scale_of(c, g);
         for (int j = 0; j < 8; ++j) store(dst + c * kWide + 16 * j + g * kNativeLanes, e2m1(v >> (4 * j)) * s);
       }
     }
-    done = wide * kWide;
-    store_chunks(Fp4Chunks{codes + done / 2, scales + done / (nv ? 16 : 32), table, nv}, (K - done) / kChunk);
-  } else if (w.fmt == kFp8Block) {
-    const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
-    store_chunks(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols},
-                 K / kChunk);
-  } else if (w.fmt == kFloat32Rows) {
-    store_chunks(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr}, K / kChunk);
+    done = row.wide * kWide;
+    store_chunks(row.narrow(), row.narrow_count);
   } else {
-    store_chunks(FloatRowChunks{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K}, K / kChunk);
+    with_row_chunks(w, n, [&](const auto& chunks) { store_chunks(chunks, K / kChunk); });
   }
   for (int64_t k = done; k < K; ++k) dst[k] = decode_one(w, table, n, k);
 }

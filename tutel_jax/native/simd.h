@@ -87,6 +87,14 @@ TJ_INLINE Native load(const uint16_t* p) {  // bfloat16: bits << 16 are the floa
 template <typename V>
 TJ_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
 TJ_INLINE Native splat(float s) { return Native{} + s; }
 TJ_INLINE UNative splat_u(uint32_t s) { return UNative{} + s; }
 TJ_INLINE UNative select(UNative mask, UNative a, UNative b) { return (a & mask) | (b & ~mask); }  // mask ? a : b
