@@ -224,6 +224,7 @@ def child(model_dir: Path, quick: bool) -> dict:
 
     from benchmarks.real_size import Decoder, decode_bytes
     from tutel_jax import native
+    from tutel_jax.experts.dropless import resolve_impl
     from tutel_jax.models import from_pretrained
 
     prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
@@ -241,7 +242,8 @@ def child(model_dir: Path, quick: bool) -> dict:
     _, times_b8, _ = dec.run(ids8, steps_b8)
     return {"decode_b1_tok_s": 1 / statistics.median(times_b1), "prefill_512_tok_s": prompt / ttft,
             "decode_b8_tok_s": BATCH / statistics.median(times_b8), "load_seconds": load_s,
-            "bytes_per_step_b1": decode_bytes(model, 1), "prompt_len": prompt, "isa": native.isa()}
+            "bytes_per_step_b1": decode_bytes(model, 1), "prompt_len": prompt, "isa": native.isa(),
+            "expert_path": resolve_impl("auto", model.moe_configs[0].experts)}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -314,7 +316,8 @@ def markdown(result: dict) -> str:
             f"llama.cpp {result.get('llama_cpp', {}).get('commit', 'not run')}. Read bandwidth "
             f"{result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({result['read_bandwidth_method']}); tutel-jax "
             f"reads {tj['bytes_per_step_b1'] / 1e9:.2f} GB per decode step at batch 1: roofline_b1 "
-            f"{tj['roofline_b1']:.2f}. tutel-jax's native kernels: {tj.get('isa', 'not recorded')}.")
+            f"{tj['roofline_b1']:.2f}. tutel-jax's native kernels: {tj.get('isa', 'not recorded')}, experts "
+            f"{tj.get('expert_path', 'native')}.")
     text = f"{head}\n\n{table}\n"
     serving = result.get("serving")
     if serving:
@@ -389,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     tj = medians(rounds_tj)
     tj["bytes_per_step_b1"] = rounds_tj[0]["bytes_per_step_b1"]
     tj["isa"] = rounds_tj[0]["isa"]  # the native kernels' instruction set
+    tj["expert_path"] = rounds_tj[0]["expert_path"]  # the default dropless path (native_int8: int8 activations)
     tj["roofline_b1"] = tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / bandwidth
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
               "read_bandwidth_method": f"tutel_jax.native.bandwidth.read_bandwidth: {threads} threads, "

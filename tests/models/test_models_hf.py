@@ -20,6 +20,7 @@ from pallas_kernels.quant.formats.mxfp4 import dequant_mxfp4_numpy
 from pallas_kernels.quant.formats.nvfp4 import dequant_nvfp4_numpy
 from tutel_jax.serving import generate, left_align
 from support.paths import HF, REPO
+from support.exact_paths import FLOAT_ACTIVATIONS
 
 CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "olmoe"]
 QUANT_CASES = ["deepseek_v3_fp8", "gpt_oss_mxfp4", "qwen3_moe_nvfp4"]  # kept quantized in memory
@@ -29,7 +30,9 @@ _MODELS: dict = {}
 
 def _load(case):
     if case not in _MODELS:
-        _MODELS[case] = from_pretrained(HF / case), dict(np.load(HF / case / "expected.npz"))
+        # FP4 cases: float32 activations (the CPU default multiplies them by int8 ones: test_native_q8)
+        options = FLOAT_ACTIVATIONS if case in QUANT_CASES else {}
+        _MODELS[case] = from_pretrained(HF / case, **options), dict(np.load(HF / case / "expected.npz"))
     return _MODELS[case]
 
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from tutel_jax.models import from_pretrained
 from tutel_jax.serving import generate
 from support.paths import HF
+from support.exact_paths import FLOAT_ACTIVATIONS
 
 
 
@@ -28,7 +29,7 @@ def test_experts_are_placed_shard_by_shard(case, shape):
     axes = ("expert",) if len(shape) == 1 else ("data", "expert")
     mesh = Mesh(devices, axes)
     n = mesh.shape["expert"]
-    model = from_pretrained(HF / case, mesh=mesh)
+    model = from_pretrained(HF / case, mesh=mesh, **FLOAT_ACTIVATIONS)  # the 1e-5 comparison below
     leaves = _expert_leaves(model)
     assert leaves
     for leaf in leaves:  # every device holds E / n experts of every expert tensor, none holds them all
@@ -39,7 +40,7 @@ def test_experts_are_placed_shard_by_shard(case, shape):
     embed = model.params["embed"]
     assert embed.sharding.is_fully_replicated and len(embed.addressable_shards) == devices.size
 
-    single = from_pretrained(HF / case)
+    single = from_pretrained(HF / case, **FLOAT_ACTIVATIONS)
     e = np.load(HF / case / "expected.npz")
     got, ref = np.asarray(model(e["input_ids"])), np.asarray(single(e["input_ids"]))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -19,6 +19,7 @@ from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import from_pretrained, memory_report
 from tutel_jax.models.dequant import QuantizedTensors
 from support.paths import HF
+from support.exact_paths import FLOAT_ACTIVATIONS
 
 QUANT_CASES = {"deepseek_v3_fp8": "fp8_block", "gpt_oss_mxfp4": "mxfp4", "qwen3_moe_nvfp4": "nvfp4"}
 PACKED_DTYPES = {"uint8", "float8_e4m3fn"}
@@ -27,7 +28,7 @@ _MODELS: dict = {}
 
 def _load(case):
     if case not in _MODELS:
-        _MODELS[case] = from_pretrained(HF / case)
+        _MODELS[case] = from_pretrained(HF / case, **FLOAT_ACTIVATIONS)
     return _MODELS[case]
 
 
@@ -168,7 +169,7 @@ def _as_modelopt(src: Path, dst: Path) -> Path:
 
 def test_modelopt_nvfp4_checkpoint(tmp_path):
     d = _as_modelopt(HF / "qwen3_moe_nvfp4", tmp_path / "modelopt")
-    model = from_pretrained(d)
+    model = from_pretrained(d, **FLOAT_ACTIVATIONS)
     experts = model.params["layers"][0]["moe"]["experts"]
     assert experts["gate_proj"].format == "nvfp4" and experts["gate_proj"].global_multiplies
     e = np.load(HF / "qwen3_moe_nvfp4" / "expected.npz")
@@ -196,7 +197,7 @@ def test_model_moe_layers_through_interpreted_kernels(case):
     run as Pallas kernels in the CPU interpreter; the logits still match HF's (1e-4) and the XLA model (1e-5)."""
     e = np.load(HF / case / "expected.npz")
     ids = e["input_ids"][:1, :6]
-    got = np.asarray(from_pretrained(HF / case, kernel_backend="interpret")(ids))
+    got = np.asarray(from_pretrained(HF / case, kernel_backend="interpret", **FLOAT_ACTIVATIONS)(ids))
     np.testing.assert_allclose(got, e["logits"][:1, :6], rtol=1e-4, atol=1e-4)
     ref = np.asarray(_load(case)(ids)) if case in QUANT_CASES else np.asarray(from_pretrained(HF / case)(ids))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -6,8 +6,8 @@ themselves checked against NumPy in test_pallas_quant), tolerance 1e-5 of the ou
 XLA 'loop' path (1e-5); the fixture models through the XLA paths (greedy tokens equal, logits within 1e-5) and
 transformers' (expected.npz). Shapes cover the decode form (<= 8 rows per expert) and the many-row form, wide
 (128) and narrow (32) FP4 chunks, scalar K tails, partial FP8 scale blocks and output blocks. The best
-instruction set this CPU runs is checked here; every other one it runs (AVX2, portable C++) runs the same checks in
-a subprocess built with TUTEL_JAX_NATIVE_ISA.
+instruction set this CPU runs is checked here; every other one it runs (AVX2, portable C++) runs the same checks, and
+test_native_q8's, in a subprocess built with TUTEL_JAX_NATIVE_ISA.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ def test_every_isa_this_cpu_runs_matches_reference(tmp_path, isa):
     machine, the portable C++ everywhere), apart, on the same checks as the best one in this process."""
     env = dict(os.environ, TUTEL_JAX_NATIVE_ISA=isa, TUTEL_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     code = ("import sys; sys.path[:0] = ['tests/native', 'tests']; import test_native_packed as t; "
-            "from tutel_jax import native; t.check_kernels_against_reference(); print('isa', native.isa())")
+            "import test_native_q8 as q; from tutel_jax import native; t.check_kernels_against_reference(); "
+            "q.check_q8_kernels(); print('isa', native.isa())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -230,7 +231,8 @@ def test_layer_native_equals_loop_and_auto_picks_it(expert_type, fmt):
     native = make_config(TOP4, 128, experts, dropless_impl="native")
     loop = make_config(TOP4, 128, experts, dropless_impl="loop")
     auto = make_config(TOP4, 128, experts)
-    assert dropless.resolve_impl("auto", auto.experts, 8, 16) == "native"  # CPU, packed experts
+    # CPU, packed experts: FP4 ones with int8 activations (test_native_q8), FP8 ones with float32
+    assert dropless.resolve_impl("auto", auto.experts, 8, 16) == ("native" if fmt == "fp8_block" else "native_int8")
     params = init_params(native, jax.random.key(0))
     for tokens in (3, 100):
         x = jax.random.normal(jax.random.key(tokens), (tokens, 128))

@@ -7,7 +7,8 @@ on the base class, with a default:
   grouped(params, x[T, M], group_sizes[E]) -> [T, M_out]     (dropless; rows sorted by expert)  None: absent
   gathered(params, x[R, M], expert_ids[R]) -> [R, M_out]     (dropless 'gather': row r via expert ids[r])
   hidden_axes(params) -> same pytree of ints / None          (sharded experts)                  None: absent
-  native(params, x[S, M], ids, enc, dec [K, S]) -> [S, M_out] (dropless 'native': the C++ CPU kernel) None: absent
+  native(params, x[S, M], ids, enc, dec [K, S], activations) -> [S, M_out] (dropless 'native' / 'native_int8': the
+                                                             C++ CPU kernel)                   None: absent
   output_dim (None: model_dim), kernel_backend (None), hidden_size_per_expert (None), num_local_experts (1)
   supports(name) -> whether the optional method `name` ('grouped', 'gathered', 'hidden_axes', 'native') is there.
 `hidden_axes` names, per parameter, the axis that indexes hidden units (so an expert can be split over devices:

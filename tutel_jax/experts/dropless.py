@@ -27,9 +27,14 @@
   bfloat16 or packed weights; computes in float32; gradients through the 'loop' path. The fastest CPU decode
   path (XLA:CPU copies every expert chosen at run time before its matmul, and dequantizes packed ones).
 
+'native_int8': 'native' with the activations of MXFP4 / NVFP4 experts that receive a few rows quantized to int8
+  per block of 32 and multiplied in integer dot products (`native.moe_experts(activations='int8')`: llama.cpp's
+  Q8_0 activations, about 2e-3 relative error on a layer's output); other weights as 'native'.
+
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
 'native', or
-'auto' (on CPU, quantized experts: 'native' where it can run them, else 'loop'; float experts: 'loop' when
+'auto' (on CPU, quantized experts: 'native_int8' for FP4 formats and 'native' for FP8 where the kernel can run
+them, else 'loop'; float experts: 'loop' when
 k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
@@ -48,6 +53,7 @@ from ..core import backends
 from ..native import NativeKernelError
 from ..native.build import isa_in_effect
 from ..native.moe import ensure_registered
+from ..native.weights import int8_capable
 from ..routing.plan import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
@@ -112,7 +118,7 @@ def run_bucketed(plan: RoutingPlan, capacities: Sequence[int], run_at: Callable[
     return jax.lax.switch(index, branches)
 
 
-IMPLS = ("auto", "ragged", "bucketed", "gather", "loop", "native")  # 'auto' and the built-in paths
+IMPLS = ("auto", "ragged", "bucketed", "gather", "loop", "native", "native_int8")  # 'auto' and the built-in paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,17 +174,20 @@ CPU_LOOP_MAX_ROWS_PER_EXPERT = 32
 
 
 def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, num_experts: int | None = None) -> str:
-    """'auto' on CPU: for quantized experts (`weight_format`) 'native' where the C++ kernel can run them (packed
-    weights decoded in registers, each used expert's bytes read once), else 'loop' (each expert dequantized on
-    its own, never a whole layer at once), whatever the batch; for float experts 'loop' when the k*S assignments
-    are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each used expert's weights read once, idle experts
-    skipped), else 'bucketed' when
-    the experts have `grouped` (for the overflow fallback); 'ragged' on other backends."""
+    """'auto' on CPU: for quantized experts (`weight_format`) 'native_int8' (FP4) or 'native' (FP8) where the C++
+    kernel can run them (packed weights decoded in registers, each used expert's bytes read once), else 'loop'
+    (each expert dequantized on its own, never a whole layer at once), whatever the batch; for float experts
+    'loop' when the k*S assignments are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each used expert's
+    weights read once, idle experts skipped), else 'bucketed' when the experts have `grouped` (for the overflow
+    fallback); 'ragged' on other backends."""
     if impl == "auto":
         if backends.platform() != "cpu":
             return "ragged"
-        if getattr(experts, "weight_format", None) is not None and experts.supports("grouped"):
-            return "native" if native_available(experts) else "loop"
+        weight_format = getattr(experts, "weight_format", None)
+        if weight_format is not None and experts.supports("grouped"):
+            if not native_available(experts):
+                return "loop"
+            return "native_int8" if int8_capable(weight_format) else "native"
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"

@@ -61,10 +61,11 @@ class _GLUExperts(Experts):
 
     _has_biases = False
 
-    def native(self, params: Any, x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array
-               ) -> jax.Array:
+    def native(self, params: Any, x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array,
+               activations: str = "float32") -> jax.Array:
         """The routed experts' output [S, M_out] float32 through the native CPU kernel (`native.moe_experts`):
-        x [S, M], expert_ids / enc / dec [K, S] as `dispatch.assignment_weights` gives them."""
+        x [S, M], expert_ids / enc / dec [K, S] as `dispatch.assignment_weights` gives them; activations
+        'float32' or 'int8' (FP4 weights: int8 activations per block of 32, see `native.moe_experts`)."""
         raise NotImplementedError
 
     def _hidden_axes(self, params):
@@ -120,12 +121,13 @@ class SwiGLUExperts(_GLUExperts):
     def native_unsupported(self):
         return None if self.activation_fn is jax.nn.silu else f"the activation {self.activation_fn} (silu only)"
 
-    def native(self, params, x, expert_ids, enc, dec):
+    def native(self, params, x, expert_ids, enc, dec, activations="float32"):
         if "gate_up_proj" in params:
             w1 = params["gate_up_proj"]
             w1 = w1.reshape(w1.shape[0], w1.shape[1], -1)  # [E, M, 2, I] -> [E, M, 2I]: gate columns first
-            return moe_experts(x, expert_ids, enc, dec, w1, params["down_proj"])
-        return moe_experts(x, expert_ids, enc, dec, params["gate_proj"], params["down_proj"], up=params["up_proj"])
+            return moe_experts(x, expert_ids, enc, dec, w1, params["down_proj"], activations=activations)
+        return moe_experts(x, expert_ids, enc, dec, params["gate_proj"], params["down_proj"], up=params["up_proj"],
+                           activations=activations)
 
     def _hidden_axes(self, params):
         return {"gate_up_proj": 3, "down_proj": 1}
@@ -180,10 +182,10 @@ class GptOssExperts(_GLUExperts):
         y = mode.linear(gpt_oss_glu(h, self.swiglu_alpha, self.swiglu_limit), params["down_proj"])
         return y + mode.bias(params["down_proj_bias"], x.dtype)
 
-    def native(self, params, x, expert_ids, enc, dec):
+    def native(self, params, x, expert_ids, enc, dec, activations="float32"):
         return moe_experts(x, expert_ids, enc, dec, params["gate_up_proj"], params["down_proj"],
                            b1=params["gate_up_proj_bias"], b2=params["down_proj_bias"], glu="gpt_oss",
-                           alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+                           alpha=self.swiglu_alpha, limit=self.swiglu_limit, activations=activations)
 
     def _hidden_axes(self, params):
         # interleaved gate/up: each contiguous block of 2I/r columns holds whole (gate, up) pairs

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 
 from ..quant import weights as quant_weights
 from ..native.dense import dense, worth_it
+from ..native.weights import int8_capable
 
-__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear"]
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "native_activations"]
 
-DENSE_IMPLS = ("auto", "xla", "native")
+DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
 
 
 def check_dense_impl(impl: str) -> str:
@@ -23,15 +24,27 @@ def check_dense_impl(impl: str) -> str:
     return impl
 
 
+def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:
+    """How `impl` runs x @ w: through the native kernel with 'float32' or 'int8' activations, or None (XLA).
+    'auto': native on CPU for at most `native.dense.MAX_ROWS` rows of a bfloat16 or packed weight when the kernel
+    can be built, with int8 activations for FP4 weights (`native_int8`)."""
+    if impl == "auto":
+        if not worth_it(x, w):
+            return None
+        impl = "native_int8" if int8_capable(w) else "native"
+    return {"native": "float32", "native_int8": "int8"}.get(impl)
+
+
 def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto") -> jax.Array:
     """x [..., in] @ w (+ b [out]) -> [..., out] in x's dtype: w a float kernel [in, out], or a quantized container
     of the on-disk [out, in] weight.
 
     impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant.weights`), 'native' (the
     C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
-    accumulation) or 'auto': 'native' on CPU for at most `native.dense.MAX_ROWS` rows (decode) of a bfloat16 or
-    packed weight when the kernel can be built, else 'xla'."""
-    if impl == "native" or (impl == "auto" and worth_it(x, w)):
-        return dense(x, w, b).astype(x.dtype)
+    accumulation), 'native_int8' ('native' with an FP4 weight's activations quantized to int8 per block of 32:
+    integer dot products) or 'auto' (`native_activations`)."""
+    activations = native_activations(x, w, impl)
+    if activations is not None:
+        return dense(x, w, b, activations=activations).astype(x.dtype)
     y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
     return y if b is None else y + b

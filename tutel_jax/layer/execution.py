@@ -40,8 +40,9 @@ class Execution:
     Attributes:
       kernel_backend: see the module docstring (`kernels`).
       dropless_impl: capacity_factor == 0 on one device: 'auto' or a registered path ('ragged', 'bucketed',
-        'loop', 'gather', 'native'; `tutel_jax.experts.dropless`).
-      dense_impl: the dense projections of models: 'auto', 'xla' or 'native' (`tutel_jax.experts.linear`).
+        'loop', 'gather', 'native', 'native_int8'; `tutel_jax.experts.dropless`).
+      dense_impl: the dense projections of models: 'auto', 'xla', 'native' or 'native_int8'
+        (`tutel_jax.experts.linear`).
       dropless_exchange: how a dropless plan crosses devices: one of call_options.DROPLESS_EXCHANGES.
       per_layer_jit: models: one compiled program per kind of layer (True), one for the whole model (False), or
         'auto' (per layer from 8 layers on).
@@ -90,8 +91,12 @@ _FLAGS = (
     ("--kernel-backend", "kernel_backend",
      "MoE kernels: auto (default: the kernels of the platform the program is compiled for), xla, pallas, "
      "interpret, tpu, tpu_interpret"),
-    ("--dropless-impl", "dropless_impl", "dropless MoE path: auto (default), ragged, bucketed, loop, gather, native"),
-    ("--dense-impl", "dense_impl", "dense projections: auto (default), xla, native (CPU kernel for a few rows)"),
+    ("--dropless-impl", "dropless_impl",
+     ("dropless MoE path: auto (default), ragged, bucketed, loop, gather, native, native_int8 (FP4 experts times "
+      "int8 activations)")),
+    ("--dense-impl", "dense_impl",
+     ("dense projections: auto (default), xla, native (CPU kernel for a few rows), native_int8 (FP4 weights "
+      "times int8 activations)")),
     ("--dropless-exchange", "dropless_exchange",
      f"how a dropless plan crosses devices: {', '.join(DROPLESS_EXCHANGES)}"),
     ("--per-layer-jit", "per_layer_jit", "one program per kind of layer: auto (default: from 8 layers), on, off"),

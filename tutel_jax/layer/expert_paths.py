@@ -101,20 +101,20 @@ def _looped(expert_params, x, plan: RoutingPlan, config: MoEConfig, spread: int 
                        grouped=lambda p, rows, sizes: expert_loop.grouped(config.experts, p, rows, sizes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _run_native(config: MoEConfig, expert_params, x, plan: RoutingPlan) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _run_native(config: MoEConfig, activations: str, expert_params, x, plan: RoutingPlan) -> jax.Array:
     """Dropless through the native CPU kernel (`experts.native` -> `tutel_jax.native.moe_experts`: float32
-    compute, packed weights decoded in registers), in the gates' dtype like the other paths. Gradients: the
-    'loop' path's VJP (the kernel is a serving path)."""
+    compute, packed weights decoded in registers; `activations` 'int8' for the int8 dot products of FP4 weights),
+    in the gates' dtype like the other paths. Gradients: the 'loop' path's VJP (the kernel is a serving path)."""
     enc, dec = dispatch.assignment_weights(plan, config.is_postscore)
-    return config.experts.native(expert_params, x, plan.expert_ids, enc, dec).astype(plan.gates.dtype)
+    return config.experts.native(expert_params, x, plan.expert_ids, enc, dec, activations).astype(plan.gates.dtype)
 
 
-def _run_native_fwd(config, expert_params, x, plan):
-    return _run_native(config, expert_params, x, plan), (expert_params, x, plan)
+def _run_native_fwd(config, activations, expert_params, x, plan):
+    return _run_native(config, activations, expert_params, x, plan), (expert_params, x, plan)
 
 
-def _run_native_bwd(config, residuals, g):
+def _run_native_bwd(config, activations, residuals, g):
     _, vjp = jax.vjp(lambda p, x, plan: _looped(p, x, plan, config), *residuals)
     return vjp(g)
 
@@ -127,6 +127,8 @@ for _path in (
         DroplessPath("bucketed", _bucketed),
         DroplessPath("loop", _looped),
         DroplessPath("gather", _gathered, requires="gathered"),
-        DroplessPath("native", lambda p, x, plan, config, spread: _run_native(config, p, x, plan),
+        DroplessPath("native", lambda p, x, plan, config, spread: _run_native(config, "float32", p, x, plan),
+                     check=dropless.check_native),
+        DroplessPath("native_int8", lambda p, x, plan, config, spread: _run_native(config, "int8", p, x, plan),
                      check=dropless.check_native)):
     register_dropless_path(_path)

@@ -114,10 +114,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dropless_impl` of the MoE layers (see `tutel_jax.experts.dropless`; 'auto': on CPU the loop over the used experts
     for a few tokens and the bucketed one otherwise, ragged on GPUs; with a mesh, per device; 'native': the
     C++ CPU kernel for SwiGLU and GPT-OSS experts, float or packed, the fastest CPU decode, checked and built
-    here; 'auto' picks it on CPU for packed experts).
+    here; 'native_int8': the same with MXFP4 / NVFP4 experts multiplied by int8 activations (per block of 32,
+    llama.cpp's Q8_0); 'auto' picks 'native_int8' on CPU for FP4 experts and 'native' for FP8 ones).
     `dense_impl` of the attention projections, dense MLPs and lm_head (`layers.linear`: 'xla', 'native' (the
-    C++ CPU kernel `native.dense`) or 'auto': native on CPU for decode-sized batches of bfloat16 or packed
-    weights).
+    C++ CPU kernel `native.dense`), 'native_int8' (FP4 weights times int8 activations) or 'auto': native on
+    CPU for decode-sized batches of bfloat16 or packed weights, int8 activations for FP4 ones).
     `per_layer_jit`: compile one program per kind of block of layers (`layer_programs`: compile time flat with depth,
     one dispatch per layer) instead of one program for the whole model; 'auto': for models of at least
     PER_LAYER_MIN_LAYERS layers.

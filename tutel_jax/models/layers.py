@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..quant import weights as quant_weights
-from ..experts.linear import DENSE_IMPLS, check_dense_impl, linear
-from ..native.dense import dense, worth_it
+from ..experts.linear import DENSE_IMPLS, check_dense_impl, linear, native_activations
+from ..native.dense import dense
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
            "attend", "write_cache"]
@@ -36,8 +36,9 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
     """Logits x [..., M] @ table[V, M].T -> [..., V] in x's dtype: the lm_head (or a tied embedding) as the
     checkpoint stores it, [out, in] rows (read contiguously, one dot product per vocabulary entry). impl as in
     `linear`."""
-    if impl == "native" or (impl == "auto" and worth_it(x, table)):
-        return dense(x, table, rows=True).astype(x.dtype)
+    activations = native_activations(x, table, impl)
+    if activations is not None:
+        return dense(x, table, rows=True, activations=activations).astype(x.dtype)
     if quant_weights.is_quantized(table):
         return quant_weights.dense(x, table)
     return jnp.einsum("...m,vm->...v", x, table.astype(x.dtype))

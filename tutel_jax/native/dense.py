@@ -23,7 +23,7 @@ from ..core import backends
 from ..quant import weights as quant_weights
 from ..core.vma import varying_like
 from .build import NativeKernelError, isa_in_effect, register
-from .weights import check_max_workers, empty, unsupported, weight_args
+from .weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
 
 __all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
 
@@ -58,11 +58,13 @@ def worth_it(x: jax.Array, w: Any) -> bool:
     return available()
 
 
-def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, max_workers: int | None = None
-          ) -> jax.Array:
+def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, activations: str = "float32",
+          max_workers: int | None = None) -> jax.Array:
     """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N], float rows [N, K] (`rows`) or a
-    packed container [N, K]."""
+    packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight and a few rows (see
+    `moe.moe_experts`)."""
     workers = check_max_workers(max_workers, "dense")
+    int8 = check_activations(activations, "dense")
     shape = quant_weights.logical_shape(w)
     if len(shape) != 2:
         raise ValueError(f"dense: expected a 2-d weight, got {shape}")
@@ -75,7 +77,7 @@ def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = Fals
     ensure_registered()
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
-    y = call(rows, data, scale, glob, empty() if b is None else b.astype(jnp.float32), format=np.int64(fmt),
-             max_workers=np.int64(workers))
+    y = call(rows, data, scale, glob, empty() if b is None else bias_arg(b), format=np.int64(fmt),
+             int8_activations=int8, max_workers=np.int64(workers))
     y = varying_like(y, x, *jax.tree_util.tree_leaves((w, b)))
     return y.reshape(*x.shape[:-1], n)

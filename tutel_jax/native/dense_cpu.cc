@@ -1,6 +1,6 @@
 // tutel-jax native CPU kernel: a dense linear layer for a few rows, as an XLA FFI custom call.
 //
-//   y [R, N] = x [R, K] @ W (+ b [N])
+//   y [R, N] = x [R, K] @ W (+ b [N], float32 or bfloat16)
 //
 // W float32 / bfloat16 [K, N] ([in, out]), or [N, K] rows: packed FP8 block / MXFP4 / NVFP4 (the checkpoint's
 // [out, in], decoded in registers) or float (an lm_head as stored); see weights.h. Every weight byte is read
@@ -8,7 +8,8 @@
 // float32 in memory before its matmul). Work over XLA's intra-op thread pool: rows by blocks of outputs; a
 // [K, N] kernel whose [R, N] output fits in L2 by blocks of its input rows (each block a contiguous stretch of
 // memory, summed into its own partial output, the partials added up in block order), a wider one by blocks of
-// 2048 columns (4 KB of each bfloat16 row).
+// 2048 columns (4 KB of each bfloat16 row). With `int8_activations`, a few rows times an FP4 weight take the int8
+// path (q8_rows.h).
 
 #include <cstdint>
 #include <cstring>
@@ -26,8 +27,8 @@ constexpr int64_t kSplitMaxOutBytes = 256 << 10;  // [R, N] partial outputs up t
 constexpr int64_t kSplitBlocks = 32;              // input-row blocks of a split kernel
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_data, ffi::AnyBuffer w_scale,
-                     ffi::AnyBuffer w_global, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                     int64_t format, int64_t max_workers) {
+                     ffi::AnyBuffer w_global, ffi::AnyBuffer b, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                     int64_t format, bool int8_activations, int64_t max_workers) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("dense: expected x [R, K]");
   tj::Weight w;
@@ -35,8 +36,9 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   if (!err.empty()) return ffi::Error::InvalidArgument("dense: " + err);
   const int64_t R = xd[0], K = xd[1], N = w.N;
   if (w.E != 1 || w.K != K) return ffi::Error::InvalidArgument("dense: weight must be [1, K, N] or packed [1, N, K']");
-  const bool has_b = tj::product(b.dimensions()) != 0;
-  if (has_b && tj::product(b.dimensions()) != N) return ffi::Error::InvalidArgument("dense: bias must be [N]");
+  const tj::Bias bias(b);
+  if ((bias.present() && bias.size != N) || !bias.valid())
+    return ffi::Error::InvalidArgument("dense: bias must be float32 or bfloat16 [N]");
   if (y->dimensions()[0] != R || y->dimensions()[1] != N)
     return ffi::Error::InvalidArgument("dense: output must be [R, N]");
   if (R == 0 || N == 0) return ffi::Error::Success();
@@ -44,7 +46,6 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::vector<float> xa(R * K);
   for (int64_t r = 0; r < R; ++r) tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
   float* out = y->typed_data();
-  const float* bias = b.typed_data();
   if (!tj::is_rows(w.fmt) && R * N * int64_t(sizeof(float)) <= kSplitMaxOutBytes) {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kSplitBlocks, K / 16));
     const int64_t step = (K + blocks - 1) / blocks;
@@ -58,20 +59,23 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
       const int64_t n0 = j * kSumCols, n1 = std::min(N, n0 + kSumCols);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t n = n0; n < n1; ++n) {
-          float acc = has_b ? bias[n] : 0.0f;
+          float acc = 0.0f;
+          if (bias.present()) bias.add_to(&acc, n, 1);  // the bias first, as XLA's bias add orders it
           for (int64_t i = 0; i < blocks; ++i) acc += partial[(i * R + r) * N + n];
           out[r * N + n] = acc;
         }
     });
     return ffi::Error::Success();
   }
+  const int64_t ldq = tj::q8_row_bytes(K);
+  std::vector<uint8_t> xq(int8_activations && w.takes_q8(R) ? R * ldq : 0);
+  for (int64_t r = 0; r < R && !xq.empty(); ++r) tj::quantize_q8(x.typed_data() + r * K, K, xq.data() + r * ldq);
   const int64_t width = w.item_width(kFloatColsPerItem);
   tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
-    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N);
-    if (has_b)
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t n = n0; n < n1; ++n) out[r * N + n] += bias[n];
+    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, xq.empty() ? nullptr : xq.data(), ldq);
+    if (bias.present())
+      for (int64_t r = 0; r < R; ++r) bias.add_to(out + r * N + n0, n0, n1 - n0);
   });
   return ffi::Error::Success();
 }
@@ -85,7 +89,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxDense, DenseImpl,
                                   .Arg<ffi::AnyBuffer>()          // weight: data, scale, global
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // b
+                                  .Arg<ffi::AnyBuffer>()          // b
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<int64_t>("format")
+                                  .Attr<bool>("int8_activations")
                                   .Attr<int64_t>("max_workers"));

@@ -21,7 +21,7 @@ import numpy as np
 from ..quant import weights as quant_weights
 from ..core.vma import varying_like
 from .build import register
-from .weights import FLOAT_DTYPES, check_max_workers, empty, weight_args
+from .weights import FLOAT_DTYPES, bias_arg, check_activations, check_max_workers, empty, weight_args
 
 __all__ = ["moe_experts", "moe_swiglu", "GLUS", "WEIGHT_DTYPES", "ensure_registered"]
 
@@ -45,7 +45,8 @@ def _out_in(w: Any, num_experts: int) -> tuple[int, int]:
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array, w1: Any, w2: Any, *,
                 up: Any = None, b1: jax.Array | None = None, b2: jax.Array | None = None, glu: str = "swiglu",
-                alpha: float = 1.702, limit: float = 7.0, max_workers: int | None = None) -> jax.Array:
+                alpha: float = 1.702, limit: float = 7.0, activations: str = "float32",
+                max_workers: int | None = None) -> jax.Array:
     """y [S, Mo] float32 = sum_k dec[k, s] * expert_{expert_ids[k, s]}(enc[k, s] * x[s]), on CPU.
 
     expert_e(r) = W2_e . glu(W1_e . r + b1_e) + b2_e, computed in float32 (packed weights decoded exactly as
@@ -54,15 +55,21 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
       (an assignment with a zero weight is skipped: dropped).
       w1: the first matmul's weight of 2I outputs (float kernel [E, M, 2I], or packed [E, 2I, M]); with `up`,
         w1 is the gate weight and `up` the up weight, I outputs each (packed SwiGLU checkpoints).
-      w2: [E, I, Mo] float, or packed [E, Mo, I].  b1 [E, 2I], b2 [E, Mo]: optional biases.
+      w2: [E, I, Mo] float, or packed [E, Mo, I].  b1 [E, 2I], b2 [E, Mo]: optional biases (float32 and bfloat16
+        ones are read as they are, only the used experts' rows).
       glu: 'swiglu' (h = [gate | up] halves: silu(gate) * up) or 'gpt_oss' (h interleaved, gate = even and up =
         odd columns: `experts_glu.gpt_oss_glu` with alpha and limit).
+      activations: 'float32', or 'int8': the activations of an MXFP4 / NVFP4 weight's matmuls, for experts that
+        received up to 8 rows (4 on AVX2 and portable builds), quantized to int8 per block of 32 (scale max|x| /
+        127, llama.cpp's Q8_0) and multiplied in integer dot products (AVX-512 VNNI / AVX-VNNI where present):
+        about 2e-3 relative error on a layer's output (tests/native/test_native_q8.py states it against float64).
       max_workers: threads to use at most (default: XLA's intra-op pool).
     Not differentiable by itself (`tutel_jax.layer.pipeline` gives it the 'loop' path's VJP).
     """
     if glu not in GLUS:
         raise ValueError(f"moe_experts: glu must be one of {GLUS}, got {glu!r}")
     workers = check_max_workers(max_workers, "moe_experts")
+    int8 = check_activations(activations, "moe_experts")
     num_tokens, model_dim = x.shape
     if expert_ids.shape != enc.shape or enc.shape != dec.shape or expert_ids.ndim != 2 \
             or expert_ids.shape[1] != num_tokens:
@@ -85,14 +92,14 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
     for name, b, size in (("b1", b1, 2 * hidden), ("b2", b2, mo)):
         if b is not None and tuple(b.shape) != (num_experts, size):
             raise ValueError(f"moe_experts: {name} must be [E={num_experts}, {size}], got {tuple(b.shape)}")
-        biases.append(empty() if b is None else b.astype(jnp.float32))
+        biases.append(empty() if b is None else bias_arg(b))
     ensure_registered()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((num_tokens, mo), jnp.float32), vmap_method="sequential")
     y = call(x.astype(jnp.float32), expert_ids.astype(jnp.int32), enc.astype(jnp.float32), dec.astype(jnp.float32),
              *args1[0][1:], *args1[1][1:], *args2[1:], *biases,
              w1_format=np.int64(args1[0][0]), w2_format=np.int64(args2[0]), split_up=up is not None,
              glu=np.int64(GLUS.index(glu)), alpha=np.float32(alpha), limit=np.float32(limit),
-             max_workers=np.int64(workers))
+             int8_activations=int8, max_workers=np.int64(workers))
     # inside shard_map the result varies wherever an input does (the custom call's type does not say so)
     return varying_like(y, x, expert_ids, enc, dec, *jax.tree_util.tree_leaves((w1, up, w2, b1, b2)))
 

@@ -8,7 +8,10 @@
 //
 // x [S, M] f32, ids [K, S] s32, enc / dec [K, S] f32 -> y [S, Mo] f32. W1 is one weight of 2I outputs, or (with
 // `split_up`) a gate and an up weight of I outputs each; W2 has Mo outputs over I inputs; each weight float
-// [E, in, out] or packed [E, out, in] (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32, or empty.
+// [E, in, out] or packed [E, out, in] (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32 or bfloat16 (read as
+// they are: only the used experts' rows), or empty.
+// With `int8_activations`, an FP4 weight's (MXFP4, NVFP4) activation rows are quantized to int8 per block of 32
+// for experts that received a few rows (q8_rows.h: integer dot products, llama.cpp's Q8_0 activations).
 // An assignment whose expert id is outside [0, E) (another device's expert) or whose enc or dec is 0 (dropped)
 // costs nothing. Only the experts that received tokens are read, each weight byte once per call (decode: up to
 // 8 rows per register pass; more rows re-read a 64-row block from cache).
@@ -37,6 +40,7 @@ struct UsedExpert {
   int64_t e;
   std::vector<Assignment> rows;
   int64_t x_offset = 0, h_offset = 0, a_offset = 0;  // into the shared buffers
+  int64_t xq_offset = -1, aq_offset = -1;             // its int8 rows (q8_rows.h), or -1: float32 activations
 };
 
 struct Glu {
@@ -63,10 +67,10 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                           ffi::Buffer<ffi::F32> enc, ffi::Buffer<ffi::F32> dec, ffi::AnyBuffer g_data,
                           ffi::AnyBuffer g_scale, ffi::AnyBuffer g_global, ffi::AnyBuffer u_data,
                           ffi::AnyBuffer u_scale, ffi::AnyBuffer u_global, ffi::AnyBuffer d_data,
-                          ffi::AnyBuffer d_scale, ffi::AnyBuffer d_global, ffi::Buffer<ffi::F32> b1,
-                          ffi::Buffer<ffi::F32> b2, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t w1_format,
+                          ffi::AnyBuffer d_scale, ffi::AnyBuffer d_global, ffi::AnyBuffer b1,
+                          ffi::AnyBuffer b2, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t w1_format,
                           int64_t w2_format, bool split_up, int64_t glu, float alpha, float limit,
-                          int64_t max_workers) {
+                          bool int8_activations, int64_t max_workers) {
   auto xd = x.dimensions(), idd = ids.dimensions();
   if (xd.size() != 2 || idd.size() != 2 || idd[1] != xd[0] || !(enc.dimensions() == idd) ||
       !(dec.dimensions() == idd))
@@ -84,9 +88,10 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     if (w.E != E || w.K != M) return ffi::Error::InvalidArgument("moe_experts: W1 must be [E, M] -> outputs");
   if (H != 2 * I || (split_up && w1[1].N != w1[0].N))
     return ffi::Error::InvalidArgument("moe_experts: W1 must have 2I outputs for W2's I inputs");
-  const bool has_b1 = tj::product(b1.dimensions()) != 0, has_b2 = tj::product(b2.dimensions()) != 0;
-  if ((has_b1 && tj::product(b1.dimensions()) != E * H) || (has_b2 && tj::product(b2.dimensions()) != E * Mo))
-    return ffi::Error::InvalidArgument("moe_experts: biases must be [E, 2I] and [E, Mo] (or empty)");
+  const tj::Bias bias1(b1), bias2(b2);
+  if ((bias1.present() && tj::product(b1.dimensions()) != E * H) ||
+      (bias2.present() && tj::product(b2.dimensions()) != E * Mo) || !bias1.valid() || !bias2.valid())
+    return ffi::Error::InvalidArgument("moe_experts: biases must be float32 or bfloat16 [E, 2I] and [E, Mo] (or empty)");
   if (y->dimensions()[0] != S || y->dimensions()[1] != Mo)
     return ffi::Error::InvalidArgument("moe_experts: output must be [S, Mo]");
   const Glu glu_fn{int(glu), alpha, limit, I};
@@ -107,18 +112,29 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       }
       used[slot[e]].rows.push_back({s, en[a], de[a]});
     }
-  int64_t total = 0;
+  int64_t total = 0, xq_bytes = 0, aq_bytes = 0;
+  const int64_t ldq1 = tj::q8_row_bytes(M), ldq2 = tj::q8_row_bytes(I);
   for (auto& u : used) {
+    const int64_t rows = int64_t(u.rows.size());
     u.x_offset = total * M;
     u.h_offset = total * H;
     u.a_offset = total * I;
-    total += int64_t(u.rows.size());
+    total += rows;
+    if (int8_activations && w1[0].takes_q8(rows)) {
+      u.xq_offset = xq_bytes;
+      xq_bytes += rows * ldq1;
+    }
+    if (int8_activations && w2.takes_q8(rows)) {
+      u.aq_offset = aq_bytes;
+      aq_bytes += rows * ldq2;
+    }
   }
   float* out = y->typed_data();
   std::memset(out, 0, sizeof(float) * S * Mo);
   if (total == 0) return ffi::Error::Success();
 
   std::vector<float> xin(total * M), h(total * H), a(total * I);
+  std::vector<uint8_t> xq(xq_bytes), aq(aq_bytes);
   const float* xs = x.typed_data();
   {
     std::vector<float> row(M);
@@ -127,8 +143,12 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
         const float* src = xs + u.rows[r].token * M;
         for (int64_t m = 0; m < M; ++m) row[m] = u.rows[r].enc * src[m];
         tj::arrange(w1[0].fmt, row.data(), M, xin.data() + u.x_offset + int64_t(r) * M);
+        if (u.xq_offset >= 0) tj::quantize_q8(row.data(), M, xq.data() + u.xq_offset + int64_t(r) * ldq1);
       }
   }
+  auto quantized = [](std::vector<uint8_t>& buf, int64_t offset) {
+    return offset < 0 ? nullptr : buf.data() + offset;
+  };
 
   // (1) W1: items (expert, part, block of outputs)
   struct Item {
@@ -143,43 +163,42 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     const Item& it = items[i];
     const UsedExpert& u = used[it.j];
     const int64_t col = it.part * w1[0].N + it.n0;
-    w1[it.part].rows(u.e, xin.data() + u.x_offset, int(u.rows.size()), M, it.n0, it.n1, h.data() + u.h_offset + col, H);
+    w1[it.part].rows(u.e, xin.data() + u.x_offset, int(u.rows.size()), M, it.n0, it.n1, h.data() + u.h_offset + col, H,
+                     quantized(xq, u.xq_offset), ldq1);
   });
 
   // (2) bias and GLU per used expert, the activations laid out for W2
-  const float* bias1 = b1.typed_data();
   tj::run_items(pool, int64_t(used.size()), max_workers, [&](int64_t j) {
     const UsedExpert& u = used[j];
     std::vector<float> act(I);
     for (size_t r = 0; r < u.rows.size(); ++r) {
       float* hr = h.data() + u.h_offset + int64_t(r) * H;
-      if (has_b1)
-        for (int64_t c = 0; c < H; ++c) hr[c] += bias1[u.e * H + c];
+      if (bias1.present()) bias1.add_to(hr, u.e * H, H);
       glu_fn.apply(hr, act.data());
       tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
+      if (u.aq_offset >= 0) tj::quantize_q8(act.data(), I, aq.data() + u.aq_offset + int64_t(r) * ldq2);
     }
   });
 
   // (3) W2 by output blocks over all used experts
-  const float* bias2 = b2.typed_data();
   const int64_t width = w2.item_width();
   tj::run_items(pool, (Mo + width - 1) / width, max_workers, [&](int64_t b) {
     const int64_t n0 = b * width, n1 = std::min(Mo, n0 + width), bw = n1 - n0;
-    std::vector<float> tmp;
+    std::vector<float> tmp, row(bw);
     for (const auto& u : used) {
       const int64_t rows = int64_t(u.rows.size());
       tmp.resize(rows * bw);
-      w2.rows(u.e, a.data() + u.a_offset, int(rows), I, n0, n1, tmp.data(), bw);
+      w2.rows(u.e, a.data() + u.a_offset, int(rows), I, n0, n1, tmp.data(), bw, quantized(aq, u.aq_offset), ldq2);
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = out + u.rows[r].token * Mo + n0;
         const float* src = tmp.data() + r * bw;
         const float d = u.rows[r].dec;
-        if (has_b2) {
-          const float* bb = bias2 + u.e * Mo + n0;
-          for (int64_t c = 0; c < bw; ++c) dst[c] += d * (src[c] + bb[c]);
-        } else {
-          for (int64_t c = 0; c < bw; ++c) dst[c] += d * src[c];
+        if (bias2.present()) {
+          std::copy(src, src + bw, row.begin());
+          bias2.add_to(row.data(), u.e * Mo + n0, bw);
+          src = row.data();
         }
+        for (int64_t c = 0; c < bw; ++c) dst[c] += d * src[c];
       }
     }
   });
@@ -204,8 +223,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxMoeExperts, MoeExpertsImpl,
                                   .Arg<ffi::AnyBuffer>()          // down: data, scale, global
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // b1
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // b2
+                                  .Arg<ffi::AnyBuffer>()          // b1
+                                  .Arg<ffi::AnyBuffer>()          // b2
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<int64_t>("w1_format")
                                   .Attr<int64_t>("w2_format")
@@ -213,4 +232,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxMoeExperts, MoeExpertsImpl,
                                   .Attr<int64_t>("glu")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit")
+                                  .Attr<bool>("int8_activations")
                                   .Attr<int64_t>("max_workers"));

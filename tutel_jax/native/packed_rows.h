@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -91,7 +92,7 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
   return kE2M1[code] * table[w.scale[n * w.scales_per_row() + k / block]];
 }
 
-constexpr int kPrefetchBytes = 2048;
+constexpr int kPrefetchBytes = 8192;
 constexpr int kWide = 128;  // FP4 elements per wide chunk (one 64-byte load)
 
 // Activations laid out for `fmt` (FP8 and float rows: x as it is). FP4 rows are read in wide chunks of 128
@@ -211,7 +212,7 @@ struct Fp4Row {
   int64_t wide, narrow_count;  // wide chunks in the row, then 32-element chunks
   MxShifts mx;
   uint32_t four = 0;  // MXFP4: the chunk's 4 scale codes
-  float nv_scales[8 * kNvScaleChunks];
+  float nv_scales[8 * kNvScaleChunks + kNativeLanes];  // + a register: spread_blocks reads whole registers
 
   Fp4Row(const PackedWeight& w, const float* table_, int64_t n)
       : codes(w.data + n * (w.K / 2)), scales(w.scale + n * w.scales_per_row()), table(table_), nv(is_nv(w.fmt)),
@@ -225,7 +226,7 @@ struct Fp4Row {
   }
   TJ_INLINE UNative codes_of(int64_t c, int g) const { return load_words(codes + 64 * c + 4 * kNativeLanes * g); }
   TJ_INLINE Native scale_of(int64_t c, int g) const {
-    return nv ? spread_pairs(nv_scales + 8 * (c % kNvScaleChunks) + g * kNativeLanes / 2)
+    return nv ? spread_blocks<2>(nv_scales + 8 * (c % kNvScaleChunks) + g * kNativeLanes / 2)
               : mx_wide_scale(four, mx.shift[g]);
   }
   Fp4Chunks narrow() const {
@@ -396,13 +397,24 @@ inline void decoded_rows(const PackedWeight& w, const float* table, const float*
   }
 }
 
-template <int R>
-inline void packed_rows_few(const PackedWeight& w, const float* table, const float* xa, int64_t ldx, int64_t n0,
-                            int64_t n1, float* out, int64_t ldo) {
-  for (int64_t n = n0; n < n1; ++n) {
-    float sums[R];
-    packed_row_dots<R>(w, table, n, xa, ldx, sums);
-    for (int r = 0; r < R; ++r) out[r * ldo + (n - n0)] = sums[r];
+// fn(std::integral_constant<int, R>{}) for 1 <= R <= kMaxRows: a register pass's row count as a constant.
+template <typename Fn>
+inline void with_row_count(int R, Fn&& fn) {
+  static_assert(kMaxRows == 4 || kMaxRows == 8, "the cases below");
+  switch (R) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: break;
+  }
+  if constexpr (kMaxRows == 8) {
+    switch (R) {
+      case 5: return fn(std::integral_constant<int, 5>{});
+      case 6: return fn(std::integral_constant<int, 6>{});
+      case 7: return fn(std::integral_constant<int, 7>{});
+      default: return fn(std::integral_constant<int, 8>{});
+    }
   }
 }
 
@@ -412,23 +424,15 @@ inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t l
                         float* out, int64_t ldo) {
   float table[256];
   if (is_fp4(w.fmt)) scale_table(w, table);
-  static_assert(kMaxRows == 4 || kMaxRows == 8, "the register passes below");
   if (R > kMaxRows) return decoded_rows(w, table, xa, R, ldx, n0, n1, out, ldo);
-  switch (R) {
-    case 1: return packed_rows_few<1>(w, table, xa, ldx, n0, n1, out, ldo);
-    case 2: return packed_rows_few<2>(w, table, xa, ldx, n0, n1, out, ldo);
-    case 3: return packed_rows_few<3>(w, table, xa, ldx, n0, n1, out, ldo);
-    case 4: return packed_rows_few<4>(w, table, xa, ldx, n0, n1, out, ldo);
-    default: break;
-  }
-  if constexpr (kMaxRows == 8) {
-    switch (R) {
-      case 5: return packed_rows_few<5>(w, table, xa, ldx, n0, n1, out, ldo);
-      case 6: return packed_rows_few<6>(w, table, xa, ldx, n0, n1, out, ldo);
-      case 7: return packed_rows_few<7>(w, table, xa, ldx, n0, n1, out, ldo);
-      default: return packed_rows_few<8>(w, table, xa, ldx, n0, n1, out, ldo);
+  with_row_count(R, [&](auto rows) {
+    constexpr int kR = decltype(rows)::value;
+    for (int64_t n = n0; n < n1; ++n) {
+      float sums[kR];
+      packed_row_dots<kR>(w, table, n, xa, ldx, sums);
+      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r];
     }
-  }
+  });
 }
 
 }  // namespace tj

@@ -9,8 +9,9 @@
 //   avx2      AVX2 + FMA (+ F16C): 8-lane permutes, two registers per Vec
 //   neon      AArch64 Advanced SIMD: byte-table lookups, four registers per Vec
 //   portable  C++ only (TUTEL_JAX_PORTABLE): no intrinsics, arithmetic decoders the compiler vectorizes as it can
-// Everything the ISA changes is here: the E2M1 decoder `e2m1`, the horizontal sum, the pair spread of NVFP4
-// scales, and the register budget (rows per register pass, tile sizes).
+// Everything the ISA changes is here: the E2M1 decoder `e2m1`, the horizontal sum, the spread of block scales
+// over lanes, the byte table lookup and int8 dot product of the quantized-activation path (q8_rows.h), and the
+// register budget (rows per register pass, tile sizes).
 
 #pragma once
 
@@ -34,6 +35,7 @@
 
 // Every helper below is forced inline (a vector that crosses a call may go through memory).
 #define TJ_INLINE inline __attribute__((always_inline))
+#define TJ_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace tj {
 
@@ -166,24 +168,90 @@ TJ_INLINE Native e4m3(UNative b) {
   return (Native)(select((UNative)(mag < splat_u(8)), sub, normal) | ((b & 0x80u) << 24));
 }
 
-// [s0, s0, s1, s1, ..] (kNativeLanes lanes) from kNativeLanes / 2 floats.
-TJ_INLINE Native spread_pairs(const float* s) {
+// Lane l = s[l / LPB]: a scale per block of LPB lanes, from kNativeLanes / LPB floats (s is read a whole
+// register wide: kNativeLanes floats must be readable).
+template <int LPB>
+TJ_INLINE Native spread_blocks(const float* s) {
+  static_assert(LPB >= 1 && kNativeLanes % LPB == 0, "whole blocks per register");
+  const Native v = load(s);
+#if defined(TJ_ISA_AVX512) || defined(TJ_ISA_AVX2)
+  UNative index;
+  for (int l = 0; l < kNativeLanes; ++l) index[l] = uint32_t(l / LPB);  // a constant after inlining
 #if defined(TJ_ISA_AVX512)
-  const __m512i lane = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  return _mm512_permutexvar_ps(lane, _mm512_castps256_ps512(_mm256_loadu_ps(s)));
-#elif defined(TJ_ISA_AVX2)
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-#elif defined(TJ_ISA_NEON)
-  const float32x2_t two = vld1_f32(s);
-  return vcombine_f32(vdup_lane_f32(two, 0), vdup_lane_f32(two, 1));
+  return _mm512_permutexvar_ps((__m512i)index, v);
+#else
+  return _mm256_permutevar8x32_ps(v, (__m256i)index);
+#endif
 #else
   Native r;
-  for (int l = 0; l < kNativeLanes; ++l) r[l] = s[l / 2];
+  for (int l = 0; l < kNativeLanes; ++l) r[l] = v[l / LPB];
   return r;
 #endif
 }
+
+// ---- int8 dot products (q8_rows.h): one register of bytes and one of int32 lanes.
+constexpr int kQBytes = 4 * kNativeLanes;
+typedef uint8_t QNative __attribute__((vector_size(kQBytes)));
+typedef int8_t SQNative __attribute__((vector_size(kQBytes)));
+typedef int32_t INative __attribute__((vector_size(kQBytes)));
+
+TJ_INLINE QNative load_q(const uint8_t* p) {
+  QNative v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// table[idx] per byte, for idx < 16 (a 16-byte table).
+TJ_INLINE QNative lookup16(const uint8_t* table, QNative idx) {
+#if defined(TJ_ISA_AVX512)
+  return (QNative)_mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)table)), (__m512i)idx);
+#elif defined(TJ_ISA_AVX2)
+  return (QNative)_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)table)),
+                                      (__m256i)idx);
+#elif defined(TJ_ISA_NEON)
+  return vqtbl1q_u8(vld1q_u8(table), idx);
+#else
+  QNative r;
+  for (int i = 0; i < kQBytes; ++i) r[i] = table[idx[i] & 15];
+  return r;
+#endif
+}
+
+// acc[l] + sum_{i < 4} u[4l + i] * s[4l + i], u unsigned bytes up to 127 (so NEON's signed dot takes them too),
+// s signed: AVX-512 VNNI / AVX-VNNI vpdpbusd, else vpmaddubsw + vpmaddwd (no saturation for u <= 127 and
+// |s| <= 127: pairs stay within 2 x 127 x 127), NEON sdot, portable integer arithmetic.
+TJ_INLINE INative dot4(INative acc, QNative u, QNative s) {
+#if defined(TJ_ISA_AVX512) && defined(__AVX512VNNI__)
+  return (INative)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#elif defined(TJ_ISA_AVX512)
+  return acc + (INative)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)s), _mm512_set1_epi16(1));
+#elif defined(TJ_ISA_AVX2) && defined(__AVXVNNI__)
+  return (INative)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
+#elif defined(TJ_ISA_AVX2)
+  return acc + (INative)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), _mm256_set1_epi16(1));
+#elif defined(TJ_ISA_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, vreinterpretq_s8_u8(u), vreinterpretq_s8_u8(s));
+#else
+  const SQNative sv = (SQNative)s;
+  INative r = acc;
+  for (int l = 0; l < kNativeLanes; ++l)
+    for (int i = 0; i < 4; ++i) r[l] += int32_t(u[4 * l + i]) * int32_t(sv[4 * l + i]);
+  return r;
+#endif
+}
+
+// Whether dot4 is one instruction (VNNI / dot product) here: `native.isa()` reports it.
+constexpr bool kDotInstruction =
+#if (defined(TJ_ISA_AVX512) && defined(__AVX512VNNI__)) || (defined(TJ_ISA_AVX2) && defined(__AVXVNNI__)) || \
+    (defined(TJ_ISA_NEON) && defined(__ARM_FEATURE_DOTPROD))
+    true;
+#else
+    false;
+#endif
 
 }  // namespace tj
 
 // Which instruction set this library was built for (the Python side's `native.isa()`).
 extern "C" __attribute__((used, visibility("default"))) int TutelJaxIsa() { return int(tj::kIsa); }
+// Whether its int8 dot product is one instruction (AVX-512 VNNI, AVX-VNNI, NEON dotprod): `native.isa_details()`.
+extern "C" __attribute__((used, visibility("default"))) int TutelJaxDotInstruction() { return tj::kDotInstruction; }

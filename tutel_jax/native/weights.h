@@ -22,6 +22,7 @@
 
 #include "float_cols.h"
 #include "packed_rows.h"
+#include "q8_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace tj {
@@ -61,8 +62,16 @@ struct Weight {
     return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
   }
 
-  // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format.
-  void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo) const {
+  // Whether R activation rows take the int8 path (`quantize_q8`, q8_rows.h) when it is asked for: FP4 weights,
+  // a few rows (one register pass); more rows, and other formats, multiply float32 activations.
+  bool takes_q8(int64_t R) const { return is_fp4(fmt) && R <= kMaxRows; }
+
+  // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
+  // (row stride ldq bytes) the same rows quantized by quantize_q8 when takes_q8(R) and the int8 path is asked
+  // for, else null.
+  void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo,
+            const uint8_t* xq = nullptr, int64_t ldq = 0) const {
+    if (xq != nullptr && takes_q8(R)) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
     if (is_rows(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
     kernel_part(e, x, R, ldx, 0, K, n0, n1, out, ldo);
   }
@@ -74,6 +83,30 @@ inline int64_t product(const Dims& d) {
   for (int64_t v : d) n *= v;
   return n;
 }
+
+// A float32 or bfloat16 bias (or an empty buffer: none), read where it is: only the rows a call uses.
+struct Bias {
+  const void* data = nullptr;
+  bool bf16 = false, ok = true;
+  int64_t size = 0;
+
+  explicit Bias(ffi::AnyBuffer b) : data(b.untyped_data()), bf16(b.element_type() == ffi::DataType::BF16),
+                                    size(product(b.dimensions())) {
+    ok = size == 0 || bf16 || b.element_type() == ffi::DataType::F32;
+  }
+  bool present() const { return size != 0; }
+  bool valid() const { return ok; }
+  // dst[i] += bias[offset + i] for i < count (float32 adds: a bfloat16 bias is exact in float32)
+  void add_to(float* dst, int64_t offset, int64_t count) const {
+    if (bf16) {
+      const uint16_t* b = static_cast<const uint16_t*>(data) + offset;
+      for (int64_t i = 0; i < count; ++i) dst[i] += bf16_to_float(b[i]);
+    } else {
+      const float* b = static_cast<const float*>(data) + offset;
+      for (int64_t i = 0; i < count; ++i) dst[i] += b[i];
+    }
+  }
+};
 
 // Reads one weight; an empty string when it is consistent, else what is wrong (`what` names it).
 inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer data, ffi::AnyBuffer scale,

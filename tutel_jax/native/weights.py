@@ -22,25 +22,50 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant import format_of
-from pallas_kernels.quant.formats import absent, fp8_block, mxfp4, nvfp4
+from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp4
 
 from ..quant import weights as quant_weights
 from ..validation import check_int
 
-__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "weight_args",
-           "unsupported", "empty", "check_max_workers"]
+__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "ACTIVATIONS",
+           "weight_args", "unsupported", "empty", "check_activations", "check_max_workers", "int8_capable", "bias_arg"]
 
 FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
 # the packed formats' ids live in their format modules
 FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = fp8_block.NATIVE_ID, mxfp4.NATIVE_ID, nvfp4.NATIVE_ID, nvfp4.NATIVE_ID_MULTIPLIES
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MAX_WORKERS = 1 << 30
+#: how activations enter the FP4 (MXFP4, NVFP4) matmuls of a few rows: 'float32' (exact products, float32
+#: sums) or 'int8' (quantized per block of 32 to int8 with a float32 scale, integer dot products: q8_rows.h)
+ACTIVATIONS = ("float32", "int8")
+
+
+def int8_capable(w_or_format: Any) -> bool:
+    """Whether `activations='int8'` changes how the kernels multiply this weight (a packed container, or a format
+    name such as an experts' `weight_format`): FP4 formats (MXFP4, NVFP4); float and FP8 weights always take
+    float32 activations."""
+    fmt = FORMATS.get(w_or_format) if isinstance(w_or_format, str) else (
+        format_of(w_or_format) if quant_weights.is_quantized(w_or_format) else None)
+    return fmt is not None and fmt.native_int8
+
+
+def check_activations(activations: Any, what: str) -> bool:
+    """The kernels' int8_activations attribute from `activations` (one of ACTIVATIONS), else ValueError."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{what}: activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return activations == "int8"
 
 
 def check_max_workers(max_workers: Any, what: str) -> int:
     """The kernels' max_workers attribute: a positive int, or None for XLA's whole intra-op pool."""
     check_int(max_workers, f"{what}: max_workers", minimum=1, optional=True)
     return int(max_workers or _MAX_WORKERS)
+
+
+def bias_arg(b: jax.Array) -> jax.Array:
+    """A bias as the kernels take it: float32 or bfloat16 as it is (no converted copy at every call), other
+    dtypes as float32."""
+    return b if jnp.dtype(b.dtype) in FLOAT_DTYPES else b.astype(jnp.float32)
 
 
 def empty() -> jax.Array:

@@ -101,6 +101,8 @@ class QuantFormat:
     byte_nonfinite: Callable[[str], tuple[str, int, str] | None]
     quantize: Callable[[jax.Array], Any]
     native_args: Callable[[Any], tuple[int, jax.Array, jax.Array, jax.Array]]
+    #: whether the native CPU kernels multiply it by int8 activations on request (E2M1 codes: q8_rows.h)
+    native_int8: bool
     triton: Callable[[Any, int, bool], tuple[Any, tuple, int, int]]
     tpu: TpuTiles
 

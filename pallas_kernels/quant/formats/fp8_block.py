@@ -229,5 +229,5 @@ FORMAT = QuantFormat(
     roles={"fp8": ("F8_E4M3",), "scale_inv": ("F32", "BF16")}, disk_tensors=_disk_tensors,
     find_parts=_find_parts, from_parts=_from_parts, dequantize_numpy=_dequantize_numpy,
     byte_nonfinite=lambda name: None, quantize=quantize_fp8_block,
-    native_args=_native_args, triton=_triton,
+    native_args=_native_args, native_int8=False, triton=_triton,
     tpu=TpuTiles(operands=_tpu_operands, accumulator=_tpu_accumulator, vmem=_tpu_vmem, check=_tpu_check))

@@ -208,5 +208,5 @@ FORMAT = QuantFormat(
     roles={"fp4": ("U8",), "e8m0": ("U8",)}, disk_tensors=_disk_tensors, find_parts=_find_parts,
     from_parts=_from_parts, dequantize_numpy=_dequantize_numpy, byte_nonfinite=_byte_nonfinite,
     quantize=quantize_mxfp4,
-    native_args=_native_args, triton=_triton,
+    native_args=_native_args, native_int8=True, triton=_triton,
     tpu=TpuTiles(operands=_tpu_operands, accumulator=_tpu_accumulator, vmem=_tpu_vmem, check=_tpu_check))

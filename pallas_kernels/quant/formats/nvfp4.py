@@ -278,5 +278,6 @@ FORMAT = QuantFormat(
     check_hf_config=_check_hf_config, roles={"fp4": ("U8",), "e4m3_scale": ("F8_E4M3", "U8"),
                                              "global_scale": ("F32",)},
     disk_tensors=_disk_tensors, find_parts=_find_parts, from_parts=_from_parts, dequantize_numpy=_dequantize_numpy,
-    byte_nonfinite=_byte_nonfinite, quantize=quantize_nvfp4, native_args=_native_args, triton=_triton,
+    byte_nonfinite=_byte_nonfinite, quantize=quantize_nvfp4, native_args=_native_args, native_int8=True,
+    triton=_triton,
     tpu=TpuTiles(operands=_tpu_operands, accumulator=_tpu_accumulator, vmem=_tpu_vmem, check=_tpu_check))
