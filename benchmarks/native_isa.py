@@ -1,5 +1,7 @@
 """The native MoE kernel on every instruction set this CPU runs, side by side: gpt-oss-20b's MoE layer (E=32,
-k=4, M=I=2880, MXFP4 experts, GPT-OSS GLU; one `native.moe_experts` call) at 1, 8 and 512 tokens.
+k=4, M=I=2880, MXFP4 experts, GPT-OSS GLU; one `native.moe_experts` call) at 1, 8 and 512 tokens, with int8
+activations (the models' default on CPU: `activations='int8'`, experts of up to a register pass of rows) and
+float32 ones.
 
     python benchmarks/native_isa.py [--rounds 3]     # writes benchmarks/results/native_isa.{json,md}
     python benchmarks/native_isa.py --quick          # the CI smoke test: a small layer, one round
@@ -8,7 +10,9 @@ Each ISA (`tutel_jax.native.build.cpu_isas()`: AVX-512, AVX2, NEON, portable) ru
 `TUTEL_JAX_NATIVE_ISA` set, the rounds interleaved (ISA by ISA, round by round), the same threads (XLA's
 intra-op pool on every usable CPU) and the same random packed weights. A child reports, per token count, the best
 of its repetitions; the report gives the medians over rounds. GB/s = the used experts' packed bytes (codes and
-scales) / seconds; GFLOP/s = 2 k tokens (2IM + IM) / seconds. Ratios are against the best ISA of the CPU.
+scales) / seconds; GFLOP/s = 2 k tokens (2IM + IM) / seconds. Ratios are against the best path: the best ISA of
+the CPU with int8 activations. At 512 tokens every expert has more rows than a register pass, so both
+activations run the float32 many-row kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "native_isa.json"
 LAYER = {"experts": 32, "k": 4, "model_dim": 2880, "hidden": 2880}
 QUICK_LAYER = {"experts": 8, "k": 2, "model_dim": 256, "hidden": 256}
 TOKENS = (1, 8, 512)
+#: the activations measured, the best path's first (`native.moe_experts(activations=...)`)
+ACTIVATIONS = ("int8", "float32")
 QUICK_TOKENS = (1, 8, 32)
 
 
@@ -59,21 +65,24 @@ def child(layer: dict, tokens: tuple[int, ...], reps: int) -> dict:
 
     w1, w2 = mxfp4(2 * i, m), mxfp4(m, i)
     per_expert = sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves((w1, w2))) / e
-    layer_fn = jax.jit(lambda x, ids, enc, dec: native.moe_experts(x, ids, enc, dec, w1, w2, glu="gpt_oss"))
-    out = {"isa": native.isa(), "tokens": {}}
-    for t in tokens:
-        x = jnp.asarray(rng.normal(size=(t, m)).astype(np.float32))
-        ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)], 1).astype(np.int32))
-        enc, dec = jnp.ones((k, t), jnp.float32), jnp.full((k, t), 1.0 / k, jnp.float32)
-        layer_fn(x, ids, enc, dec).block_until_ready()
-        best = float("inf")
-        for _ in range(max(1, reps if t <= 8 else reps // 10)):
-            start = time.perf_counter()
+    out = {"isa": native.isa(), "paths": {}}
+    for activations in ACTIVATIONS:
+        layer_fn = jax.jit(lambda x, ids, enc, dec, a=activations: native.moe_experts(
+            x, ids, enc, dec, w1, w2, glu="gpt_oss", activations=a))
+        per = out["paths"][activations] = {}
+        for t in tokens:
+            x = jnp.asarray(rng.normal(size=(t, m)).astype(np.float32))
+            ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)], 1).astype(np.int32))
+            enc, dec = jnp.ones((k, t), jnp.float32), jnp.full((k, t), 1.0 / k, jnp.float32)
             layer_fn(x, ids, enc, dec).block_until_ready()
-            best = min(best, time.perf_counter() - start)
-        used = len(np.unique(np.asarray(ids)))
-        out["tokens"][str(t)] = {"seconds": best, "gb_per_s": used * per_expert / best / 1e9,
-                                 "gflop_per_s": 2 * t * k * 3 * i * m / best / 1e9}
+            best = float("inf")
+            for _ in range(max(1, reps if t <= 8 else reps // 10)):
+                start = time.perf_counter()
+                layer_fn(x, ids, enc, dec).block_until_ready()
+                best = min(best, time.perf_counter() - start)
+            used = len(np.unique(np.asarray(ids)))
+            per[str(t)] = {"seconds": best, "gb_per_s": used * per_expert / best / 1e9,
+                           "gflop_per_s": 2 * t * k * 3 * i * m / best / 1e9}
     return out
 
 
@@ -88,17 +97,18 @@ def run_child(isa: str, quick: bool) -> dict:
 
 
 def summarize(rounds: dict[str, list[dict]], tokens: tuple[int, ...]) -> dict[str, dict]:
-    """Medians over rounds per ISA and token count, and the ratio to the first (best) ISA."""
+    """Medians over rounds per ISA, activations and token count ({isa: {activations: {tokens: ...}}}), and the
+    ratio to the best path (the first, best ISA with int8 activations)."""
     out: dict[str, dict] = {}
     for isa, runs in rounds.items():
-        out[isa] = {}
-        for t in map(str, tokens):
-            out[isa][t] = {key: statistics.median(r["tokens"][t][key] for r in runs)
-                           for key in ("seconds", "gb_per_s", "gflop_per_s")}
-    best = next(iter(out))
-    for isa in out:
-        for t in map(str, tokens):
-            out[isa][t]["ratio_to_best"] = out[best][t]["seconds"] / out[isa][t]["seconds"]
+        out[isa] = {a: {t: {key: statistics.median(r["paths"][a][t][key] for r in runs)
+                            for key in ("seconds", "gb_per_s", "gflop_per_s")} for t in map(str, tokens)}
+                    for a in ACTIVATIONS}
+    best = out[next(iter(out))][ACTIVATIONS[0]]
+    for per in out.values():
+        for a in ACTIVATIONS:
+            for t in map(str, tokens):
+                per[a][t]["ratio_to_best"] = best[t]["seconds"] / per[a][t]["seconds"]
     return out
 
 
@@ -106,13 +116,14 @@ def markdown(result: dict) -> str:
     layer = result["layer"]
     rows = []
     for isa, per in result["isas"].items():
-        for t, v in per.items():
-            rows.append([isa, t, f"{v['seconds'] * 1e3:.2f}", f"{v['gb_per_s']:.2f}", f"{v['gflop_per_s']:.1f}",
-                         f"{v['ratio_to_best']:.2f}x"])
+        for a, by_tokens in per.items():
+            for t, v in by_tokens.items():
+                rows.append([isa, a, t, f"{v['seconds'] * 1e3:.2f}", f"{v['gb_per_s']:.2f}",
+                             f"{v['gflop_per_s']:.1f}", f"{v['ratio_to_best']:.2f}x"])
     head = (f"MoE layer E={layer['experts']}, k={layer['k']}, M=I={layer['model_dim']}, MXFP4, one native call; "
             f"{result['rounds']} interleaved rounds (medians), {result['machine']['cpu_affinity']} CPUs.")
-    return head + "\n\n" + markdown_table(["ISA", "tokens", "ms", "GB/s", "GFLOP/s", "speed / best"], rows,
-                                          "llrrrr")
+    return head + "\n\n" + markdown_table(["ISA", "activations", "tokens", "ms", "GB/s", "GFLOP/s",
+                                           "speed / best path"], rows, "lllrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         for isa in rounds:  # noqa: PLC0206
             rounds[isa].append(run_child(isa, args.quick))
             print(f"round {r + 1} {isa}: " + ", ".join(
-                f"{t} tok {v['gb_per_s']:.2f} GB/s" for t, v in rounds[isa][-1]["tokens"].items()), flush=True)
+                f"{a} {t} tok {v['gb_per_s']:.2f} GB/s" for a, per in rounds[isa][-1]["paths"].items()
+                for t, v in per.items()), flush=True)
     mismatched = [isa for isa, runs in rounds.items() if any(run["isa"] != isa for run in runs)]
     if mismatched:
         raise SystemExit(f"native_isa: the children of {mismatched} ran another ISA")

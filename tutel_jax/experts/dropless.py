@@ -29,7 +29,7 @@
 
 'native_int8': 'native' with the activations of MXFP4 / NVFP4 experts that receive a few rows quantized to int8
   per block of 32 and multiplied in integer dot products (`native.moe_experts(activations='int8')`: llama.cpp's
-  Q8_0 activations, about 2e-3 relative error on a layer's output); other weights as 'native'.
+  Q8_0 activations: about 1e-2 of a layer's output rms); other weights as 'native'.
 
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
 'native', or

@@ -62,7 +62,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
       activations: 'float32', or 'int8': the activations of an MXFP4 / NVFP4 weight's matmuls, for experts that
         received up to 8 rows (4 on AVX2 and portable builds), quantized to int8 per block of 32 (scale max|x| /
         127, llama.cpp's Q8_0) and multiplied in integer dot products (AVX-512 VNNI / AVX-VNNI where present):
-        about 2e-3 relative error on a layer's output (tests/native/test_native_q8.py states it against float64).
+        about 1e-2 of the output's rms on gpt-oss-20b's layer against float64 (README, "int8 activations";
+        tests/native/test_native_q8.py).
       max_workers: threads to use at most (default: XLA's intra-op pool).
     Not differentiable by itself (`tutel_jax.layer.pipeline` gives it the 'loop' path's VJP).
     """
