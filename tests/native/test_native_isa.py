@@ -28,6 +28,10 @@ def test_isa_is_the_best_this_cpu_runs(monkeypatch):
     monkeypatch.delenv("TUTEL_JAX_NATIVE_ISA", raising=False)
     assert build.isa_in_effect() == build.cpu_isas()[0]
     assert native.isa() == build.isa_in_effect()  # what the library built for it reports
+    # the int8 dot product is one instruction exactly where the CPU has one (the library is built for this CPU)
+    vnni = {"avx512": "avx512_vnni", "avx2": "avx_vnni", "neon": "asimddp"}.get(native.isa())
+    assert build.dot_instruction() == (vnni is not None and vnni in build._cpu_flags())
+    assert build.int8_pays_off() == (native.isa() != "portable")
 
 
 def test_forced_isa_must_be_known_and_runnable(monkeypatch):

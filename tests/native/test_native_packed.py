@@ -30,6 +30,7 @@ from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import build, dense, moe_experts
 from tutel_jax.serving import generate
+from support.packed_weights import random_weight
 from support.paths import HF, REPO
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler: the native kernels cannot "
@@ -41,20 +42,6 @@ DIMS = {"fp8_block": (200, 72), "mxfp4": (224, 96), "nvfp4": (208, 48), "nvfp4_m
         "float32": (72, 40), "bfloat16": (72, 40)}
 FORMATS = list(DIMS)
 SHAPES = {"decode": (6, 2, 8), "prefill": (48, 2, 4)}  # (S, k, E): <= 8 rows per expert, then ~24
-
-
-def _quantize(rng, shape, fmt):
-    """A weight of logical shape [..., out, in] in `fmt`, and its float64 [..., out, in] value."""
-    w = jnp.asarray(rng.normal(size=shape).astype(np.float32) * shape[-1] ** -0.5)
-    if fmt in ("float32", "bfloat16"):
-        kernel = jnp.swapaxes(w, -1, -2).astype(fmt)  # float weights are [in, out] kernels
-        return kernel, np.swapaxes(np.asarray(kernel, np.float64), -1, -2)
-    if fmt == "nvfp4_mul":  # ModelOpt: the global scale multiplies
-        q = pallas_kernels.quantize_nvfp4(w)
-        q = Nvfp4Weight(q.packed, q.scale, 1.0 / q.global_scale, global_multiplies=True)
-    else:
-        q = getattr(pallas_kernels, f"quantize_{fmt}")(w)
-    return q, np.asarray(q.dequantize(), np.float64)
 
 
 def _moe_reference(x, ids, enc, dec, w1, w2, b1, b2, glu, alpha=1.702, limit=7.0):
@@ -92,18 +79,18 @@ def _moe_case(fmt, shape, glu, seed=0):
     ids[0, 0], ids[-1, -1] = -1, 2 ** 30  # not this device's experts: skipped
     enc[0, 1] = 0.0  # dropped assignments: skipped
     dec[-1, 0] = 0.0
-    w2, w2_ref = _quantize(rng, (experts, out_dim, hidden), fmt)
+    w2, w2_ref = random_weight(rng, (experts, out_dim, hidden), fmt)
     kwargs, b1, b2 = {}, None, None
     if glu == "gpt_oss":
-        w1, w1_ref = _quantize(rng, (experts, 2 * hidden, model_dim), fmt)
+        w1, w1_ref = random_weight(rng, (experts, 2 * hidden, model_dim), fmt)
         b1 = rng.normal(size=(experts, 2 * hidden)).astype(np.float32)
         b2 = rng.normal(size=(experts, out_dim)).astype(np.float32)
         kwargs = dict(b1=b1, b2=b2, glu="gpt_oss", alpha=1.702, limit=7.0)
     elif fmt in ("float32", "bfloat16"):  # float SwiGLU: one fused [E, M, 2I] kernel, gate columns first
-        w1, w1_ref = _quantize(rng, (experts, 2 * hidden, model_dim), fmt)
+        w1, w1_ref = random_weight(rng, (experts, 2 * hidden, model_dim), fmt)
     else:  # packed SwiGLU: gate and up apart
-        w1, gate_ref = _quantize(rng, (experts, hidden, model_dim), fmt)
-        up, up_ref = _quantize(rng, (experts, hidden, model_dim), fmt)
+        w1, gate_ref = random_weight(rng, (experts, hidden, model_dim), fmt)
+        up, up_ref = random_weight(rng, (experts, hidden, model_dim), fmt)
         w1_ref = np.concatenate([gate_ref, up_ref], axis=1)
         kwargs = dict(up=up)
     ref = _moe_reference(x, ids, enc, dec, w1_ref, w2_ref, b1, b2, glu)
@@ -123,7 +110,7 @@ def check_kernels_against_reference(shapes=tuple(SHAPES)) -> None:
 def _check_dense(fmt, seed=1):
     rng = np.random.default_rng(seed)
     model_dim = DIMS[fmt][0]
-    w, w_ref = _quantize(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
+    w, w_ref = random_weight(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
     b = rng.normal(size=(600,)).astype(np.float32)
     for rows in (1, 2, 3, 11):  # one row, two, a few, more than one register pass of 8
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)
@@ -156,7 +143,7 @@ def test_nvfp4_long_rows_with_every_kind_of_scale(fmt):
     pass: both passes, a vector and a scalar part), with zero and subnormal e4m3 scale codes among them."""
     rng = np.random.default_rng(2)
     model_dim = 128 * 67 + 32 + 16
-    w, _ = _quantize(rng, (70, model_dim), fmt)
+    w, _ = random_weight(rng, (70, model_dim), fmt)
     codes = np.asarray(w.scale).view(np.uint8).copy()
     codes[:, ::7], codes[:, 3::11] = 0x00, 0x03  # zero, subnormal (3 x 2^-9)
     w = Nvfp4Weight(w.packed, jnp.asarray(codes.view(np.asarray(w.scale).dtype)), w.global_scale,
@@ -170,7 +157,7 @@ def test_nvfp4_long_rows_with_every_kind_of_scale(fmt):
 @needs_compiler
 def test_dense_leading_axes_and_errors():
     rng = np.random.default_rng(2)
-    w, w_ref = _quantize(rng, (40, 64), "mxfp4")
+    w, w_ref = random_weight(rng, (40, 64), "mxfp4")
     x = rng.normal(size=(2, 3, 64)).astype(np.float32)
     _close(dense(x, w), x.astype(np.float64) @ w_ref.T)
     with pytest.raises(ValueError, match=r"x \[..., 32\] does not match the weight's K=64"):
@@ -232,7 +219,8 @@ def test_layer_native_equals_loop_and_auto_picks_it(expert_type, fmt):
     loop = make_config(TOP4, 128, experts, dropless_impl="loop")
     auto = make_config(TOP4, 128, experts)
     # CPU, packed experts: FP4 ones with int8 activations (test_native_q8), FP8 ones with float32
-    assert dropless.resolve_impl("auto", auto.experts, 8, 16) == ("native" if fmt == "fp8_block" else "native_int8")
+    int8 = fmt != "fp8_block" and build.int8_pays_off()
+    assert dropless.resolve_impl("auto", auto.experts, 8, 16) == ("native_int8" if int8 else "native")
     params = init_params(native, jax.random.key(0))
     for tokens in (3, 100):
         x = jax.random.normal(jax.random.key(tokens), (tokens, 128))

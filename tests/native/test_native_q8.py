@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels.quant import Nvfp4Weight
 from tutel_jax.experts import dropless
 from tutel_jax.layer.config import make_config
 from tutel_jax.models import from_pretrained
 from tutel_jax.native import build, dense, moe_experts
 from tutel_jax.native.weights import int8_capable
 from tutel_jax.serving import generate
+from support.packed_weights import random_weight
 from support.paths import HF
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler: the native kernels cannot "
@@ -43,17 +43,6 @@ MOE_QUANT_ERROR = (1.5e-1, 2.5e-2)
 #: the fixture models' first-step logits, int8 against float32 activations: max |difference| / rms(logits)
 #: (measured 1.2e-2 to 3.1e-2)
 LOGIT_ERROR = 6e-2
-
-
-def _fp4(rng, shape, fmt):
-    """An FP4 weight of logical shape [..., out, in] and its exact float64 value."""
-    w = jnp.asarray(rng.normal(size=shape).astype(np.float32) * shape[-1] ** -0.5)
-    if fmt == "nvfp4_mul":  # ModelOpt: the global scale multiplies
-        q = pallas_kernels.quantize_nvfp4(w)
-        q = Nvfp4Weight(q.packed, q.scale, 1.0 / q.global_scale, global_multiplies=True)
-    else:
-        q = getattr(pallas_kernels, f"quantize_{fmt}")(w)
-    return q, np.asarray(q.dequantize(), np.float64)
 
 
 def q8_reference(x: np.ndarray) -> np.ndarray:
@@ -81,7 +70,7 @@ def _scaled_error(got, ref) -> tuple[float, float]:
 def _check_dense_q8(fmt: str, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for k in KS[fmt]:
-        w, w_ref = _fp4(rng, (200, k), fmt)  # several 64-row output blocks, the last one partial
+        w, w_ref = random_weight(rng, (200, k), fmt)  # several 64-row output blocks, the last one partial
         b = rng.normal(size=(200,)).astype(np.float32)
         for rows in (1, 2, 3, 4, 8):
             x = rng.normal(size=(rows, k)).astype(np.float32)
@@ -109,8 +98,8 @@ def _moe_case(fmt: str, tokens: int, glu: str, seed: int = 0):
     ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)], axis=1).astype(np.int32)
     enc = rng.uniform(0.5, 1.5, size=ids.shape).astype(np.float32)
     dec = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
-    w2, w2_ref = _fp4(rng, (experts, out_dim, hidden), fmt)
-    w1, w1_ref = _fp4(rng, (experts, 2 * hidden, model_dim), fmt)
+    w2, w2_ref = random_weight(rng, (experts, out_dim, hidden), fmt)
+    w1, w1_ref = random_weight(rng, (experts, 2 * hidden, model_dim), fmt)
     kwargs = dict(glu=glu)
     if glu == "gpt_oss":
         kwargs.update(b1=rng.normal(size=(experts, 2 * hidden)).astype(np.float32),
@@ -192,7 +181,7 @@ def test_int8_activations_keep_non_finite_inputs_visible():
     """A NaN or infinite activation makes the rows it enters NaN or infinite, as in float32 (never a finite
     number from a zeroed block)."""
     rng = np.random.default_rng(4)
-    w, _ = _fp4(rng, (64, 256), "mxfp4")
+    w, _ = random_weight(rng, (64, 256), "mxfp4")
     x = rng.normal(size=(2, 256)).astype(np.float32)
     x[0, 40], x[1, 200] = np.nan, np.inf
     got = np.asarray(dense(x, w, activations="int8"))
@@ -201,7 +190,9 @@ def test_int8_activations_keep_non_finite_inputs_visible():
 
 @needs_compiler
 def test_auto_picks_int8_for_fp4_experts_on_cpu():
-    for fmt, expected in (("mxfp4", "native_int8"), ("nvfp4", "native_int8"), ("fp8_block", "native")):
+    """'auto' on CPU: int8 activations for FP4 experts where the build's byte dot products are vector code."""
+    fp4 = "native_int8" if build.int8_pays_off() else "native"  # the portable build keeps float32
+    for fmt, expected in (("mxfp4", fp4), ("nvfp4", fp4), ("fp8_block", "native")):
         experts = {"type": "swiglu", "count_per_node": 8, "hidden_size_per_expert": 64, "weight_format": fmt}
         auto = make_config({"type": "top", "k": 2}, 128, experts)
         assert dropless.resolve_impl("auto", auto.experts, 8, 8) == expected

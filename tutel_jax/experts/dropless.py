@@ -33,8 +33,8 @@
 
 `MoEConfig.dropless_impl` chooses: 'ragged' (the default: no padding at all), 'bucketed', 'loop', 'gather',
 'native', or
-'auto' (on CPU, quantized experts: 'native_int8' for FP4 formats and 'native' for FP8 where the kernel can run
-them, else 'loop'; float experts: 'loop' when
+'auto' (on CPU, quantized experts: 'native_int8' for FP4 formats (but with the portable C++ build) and 'native'
+for FP8 where the kernel can run them, else 'loop'; float experts: 'loop' when
 k*S <= 32E, else 'bucketed' for experts that have `grouped`, needed by the fallback;
 'ragged' on other backends). Expert parallelism
 always uses buckets for its padded all_to_all (see `parallel.expert_parallel`), topped by S_local.
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from ..core import backends
 from ..native import NativeKernelError
-from ..native.build import isa_in_effect
+from ..native.build import int8_pays_off, isa_in_effect
 from ..native.moe import ensure_registered
 from ..native.weights import int8_capable
 from ..routing.plan import RoutingPlan, align_capacity
@@ -187,7 +187,7 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
         if weight_format is not None and experts.supports("grouped"):
             if not native_available(experts):
                 return "loop"
-            return "native_int8" if int8_capable(weight_format) else "native"
+            return "native_int8" if int8_capable(weight_format) and int8_pays_off() else "native"
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"

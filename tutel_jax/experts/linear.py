@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..quant import weights as quant_weights
+from ..native.build import int8_pays_off
 from ..native.dense import dense, worth_it
 from ..native.weights import int8_capable
 
@@ -27,11 +28,12 @@ def check_dense_impl(impl: str) -> str:
 def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:
     """How `impl` runs x @ w: through the native kernel with 'float32' or 'int8' activations, or None (XLA).
     'auto': native on CPU for at most `native.dense.MAX_ROWS` rows of a bfloat16 or packed weight when the kernel
-    can be built, with int8 activations for FP4 weights (`native_int8`)."""
+    can be built, with int8 activations for FP4 weights (`native_int8`) where they pay off
+    (`native.build.int8_pays_off`)."""
     if impl == "auto":
         if not worth_it(x, w):
             return None
-        impl = "native_int8" if int8_capable(w) else "native"
+        impl = "native_int8" if int8_capable(w) and int8_pays_off() else "native"
     return {"native": "float32", "native_int8": "int8"}.get(impl)
 
 

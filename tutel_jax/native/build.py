@@ -202,3 +202,15 @@ def isa() -> str:
     """The instruction set of the native kernels in effect in this process (`ISAS`), as the built library reports
     it (building it on first use)."""
     return ISAS[load("moe_cpu").TutelJaxIsa()]
+
+
+def dot_instruction() -> bool:
+    """Whether the built kernels' int8 dot product (`dot4` in simd.h) is one instruction: AVX-512 VNNI, AVX-VNNI
+    or NEON's dot-product extension."""
+    return bool(load("moe_cpu").TutelJaxDotInstruction())
+
+
+def int8_pays_off() -> bool:
+    """Whether 'auto' multiplies FP4 weights by int8 activations here: every ISA but the portable C++, whose byte
+    dot products are a scalar loop (half its float path's speed; benchmarks/results/native_isa.md)."""
+    return isa() != "portable"

@@ -231,6 +231,12 @@ TJ_INLINE INative dot4(INative acc, QNative u, QNative s) {
   return acc + (INative)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), _mm256_set1_epi16(1));
 #elif defined(TJ_ISA_NEON) && defined(__ARM_FEATURE_DOTPROD)
   return vdotq_s32(acc, vreinterpretq_s8_u8(u), vreinterpretq_s8_u8(s));
+#elif defined(TJ_ISA_NEON)
+  // no dot product (ARMv8.0): 8 x 8 -> 16-bit products, pairs to 32 bits, then pairs of pairs
+  const int8x16_t a = vreinterpretq_s8_u8(u), b = vreinterpretq_s8_u8(s);
+  const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  const int32x4_t hi = vpaddlq_s16(vmull_s8(vget_high_s8(a), vget_high_s8(b)));
+  return vaddq_s32(acc, vpaddq_s32(lo, hi));
 #else
   const SQNative sv = (SQNative)s;
   INative r = acc;
@@ -253,5 +259,5 @@ constexpr bool kDotInstruction =
 
 // Which instruction set this library was built for (the Python side's `native.isa()`).
 extern "C" __attribute__((used, visibility("default"))) int TutelJaxIsa() { return int(tj::kIsa); }
-// Whether its int8 dot product is one instruction (AVX-512 VNNI, AVX-VNNI, NEON dotprod): `native.isa_details()`.
+// Whether its int8 dot product is one instruction (AVX-512 VNNI, AVX-VNNI, NEON dotprod): `build.dot_instruction()`.
 extern "C" __attribute__((used, visibility("default"))) int TutelJaxDotInstruction() { return tj::kDotInstruction; }
