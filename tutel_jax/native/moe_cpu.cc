@@ -91,7 +91,8 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const tj::Bias bias1(b1), bias2(b2);
   if ((bias1.present() && tj::product(b1.dimensions()) != E * H) ||
       (bias2.present() && tj::product(b2.dimensions()) != E * Mo) || !bias1.valid() || !bias2.valid())
-    return ffi::Error::InvalidArgument("moe_experts: biases must be float32 or bfloat16 [E, 2I] and [E, Mo] (or empty)");
+    return ffi::Error::InvalidArgument(
+        "moe_experts: biases must be float32 or bfloat16 [E, 2I] and [E, Mo] (or empty)");
   if (y->dimensions()[0] != S || y->dimensions()[1] != Mo)
     return ffi::Error::InvalidArgument("moe_experts: output must be [S, Mo]");
   const Glu glu_fn{int(glu), alpha, limit, I};

@@ -27,8 +27,9 @@ from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp
 from ..quant import weights as quant_weights
 from ..validation import check_int
 
-__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS", "ACTIVATIONS",
-           "weight_args", "unsupported", "empty", "check_activations", "check_max_workers", "int8_capable", "bias_arg"]
+__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS",
+           "ACTIVATIONS", "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
+           "int8_capable", "bias_arg"]
 
 FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
 # the packed formats' ids live in their format modules
