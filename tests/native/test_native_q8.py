@@ -13,6 +13,8 @@ fallback: more rows per expert than one register pass take float32 activations, 
 
 from __future__ import annotations
 
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,3 +230,52 @@ def test_fixture_models_int8_greedy_tokens_follow_float(case):
             print(f"{case} row {row}: step {step} of 12 differs; float margin {margin:.3f}, logit difference "
                   f"{diff[row, step]:.3f}")
             assert 0 <= margin <= 2 * diff[row, step], (row, step, margin, diff[row, step])
+
+
+_DOT4_CHECK = r"""
+#include <cstdio>
+#include <random>
+#include "simd.h"
+int main() {  // dot4 against integer arithmetic on random bytes, the extremes included
+  static_assert(!tj::kDotInstruction, "built without a dot-product instruction");
+  std::mt19937 g(0);
+  for (int it = 0; it < 20000; ++it) {
+    tj::QNative u, s;
+    tj::INative acc;
+    for (int i = 0; i < tj::kQBytes; ++i) {
+      u[i] = it < 2 ? 24 : g() % 25;
+      s[i] = uint8_t(int8_t(it == 0 ? 127 : it == 1 ? -127 : int(g() % 255) - 127));
+    }
+    for (int l = 0; l < tj::kNativeLanes; ++l) acc[l] = int32_t(g() % 2001) - 1000;
+    const tj::INative got = tj::dot4(acc, u, s);
+    for (int l = 0; l < tj::kNativeLanes; ++l) {
+      int32_t want = acc[l];
+      for (int i = 0; i < 4; ++i) want += int32_t(u[4 * l + i]) * int32_t(int8_t(s[4 * l + i]));
+      if (got[l] != want) { std::printf("mismatch %d %d: %d != %d\n", it, l, got[l], want); return 1; }
+    }
+  }
+  std::printf("ok isa %d\n", int(tj::kIsa));
+  return 0;
+}
+"""
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_int8_dot_without_a_dot_product_instruction(tmp_path, isa):
+    """The x86 builds for CPUs without VNNI (most AVX2 CPUs: vpmaddubsw + vpmaddwd) compute the same int32 lanes:
+    compiled with the VNNI extensions switched off and run on random bytes against integer arithmetic (the rest of
+    the int8 path is shared code, tested above with this CPU's own build)."""
+    if isa not in build.cpu_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    source = tmp_path / "dot4.cc"
+    source.write_text(_DOT4_CHECK)
+    off = {"avx512": ["-march=native", "-mno-avx512vnni"],
+           "avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"]}[isa]
+    exe = tmp_path / "dot4"
+    done = subprocess.run([build.compiler(), "-O2", "-std=c++17", "-Wno-psabi", *off,
+                           f"-DTUTEL_JAX_REQUIRE_ISA={build.ISAS.index(isa)}", "-I", str(build.SOURCE_DIR),
+                           str(source), "-o", str(exe)], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = subprocess.run([str(exe)], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith(f"ok isa {build.ISAS.index(isa)}"), run.stdout + run.stderr
