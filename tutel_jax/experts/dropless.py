@@ -51,9 +51,9 @@ import jax.numpy as jnp
 
 from ..core import backends
 from ..native import NativeKernelError
-from ..native.build import int8_pays_off, isa_in_effect
+from ..native.build import isa_in_effect
 from ..native.moe import ensure_registered
-from ..native.weights import int8_capable
+from ..native.weights import int8_by_default
 from ..routing.plan import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
@@ -187,7 +187,7 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
         if weight_format is not None and experts.supports("grouped"):
             if not native_available(experts):
                 return "loop"
-            return "native_int8" if int8_capable(weight_format) and int8_pays_off() else "native"
+            return "native_int8" if int8_by_default(weight_format) else "native"
         if (num_assignments is not None and num_experts is not None
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"

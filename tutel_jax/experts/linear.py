@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from ..quant import weights as quant_weights
-from ..native.build import int8_pays_off
 from ..native.dense import dense, worth_it
-from ..native.weights import int8_capable
+from ..native.weights import int8_by_default
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "native_activations"]
 
@@ -33,7 +32,7 @@ def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:
     if impl == "auto":
         if not worth_it(x, w):
             return None
-        impl = "native_int8" if int8_capable(w) and int8_pays_off() else "native"
+        impl = "native_int8" if int8_by_default(w) else "native"
     return {"native": "float32", "native_int8": "int8"}.get(impl)
 
 

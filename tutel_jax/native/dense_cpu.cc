@@ -43,8 +43,17 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     return ffi::Error::InvalidArgument("dense: output must be [R, N]");
   if (R == 0 || N == 0) return ffi::Error::Success();
 
-  std::vector<float> xa(R * K);
-  for (int64_t r = 0; r < R; ++r) tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
+  // the rows as the kernel reads them: int8 (q8_rows.h) when asked for and taken, else arranged float32
+  const bool q8 = int8_activations && w.takes_q8(R);
+  const int64_t ldq = tj::q8_row_bytes(K);
+  std::vector<uint8_t> xq(q8 ? R * ldq : 0);
+  std::vector<float> xa(q8 ? 0 : R * K);
+  for (int64_t r = 0; r < R; ++r) {
+    if (q8)
+      tj::quantize_q8(x.typed_data() + r * K, K, xq.data() + r * ldq);
+    else
+      tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
+  }
   float* out = y->typed_data();
   if (!tj::is_rows(w.fmt) && R * N * int64_t(sizeof(float)) <= kSplitMaxOutBytes) {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kSplitBlocks, K / 16));
@@ -67,13 +76,10 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     });
     return ffi::Error::Success();
   }
-  const int64_t ldq = tj::q8_row_bytes(K);
-  std::vector<uint8_t> xq(int8_activations && w.takes_q8(R) ? R * ldq : 0);
-  for (int64_t r = 0; r < R && !xq.empty(); ++r) tj::quantize_q8(x.typed_data() + r * K, K, xq.data() + r * ldq);
   const int64_t width = w.item_width(kFloatColsPerItem);
   tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
-    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, xq.empty() ? nullptr : xq.data(), ldq);
+    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, q8 ? xq.data() : nullptr, ldq);
     if (bias.present())
       for (int64_t r = 0; r < R; ++r) bias.add_to(out + r * N + n0, n0, n1 - n0);
   });

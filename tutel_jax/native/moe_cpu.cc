@@ -143,8 +143,10 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       for (size_t r = 0; r < u.rows.size(); ++r) {
         const float* src = xs + u.rows[r].token * M;
         for (int64_t m = 0; m < M; ++m) row[m] = u.rows[r].enc * src[m];
-        tj::arrange(w1[0].fmt, row.data(), M, xin.data() + u.x_offset + int64_t(r) * M);
-        if (u.xq_offset >= 0) tj::quantize_q8(row.data(), M, xq.data() + u.xq_offset + int64_t(r) * ldq1);
+        if (u.xq_offset >= 0)  // int8 rows: the float ones are not read
+          tj::quantize_q8(row.data(), M, xq.data() + u.xq_offset + int64_t(r) * ldq1);
+        else
+          tj::arrange(w1[0].fmt, row.data(), M, xin.data() + u.x_offset + int64_t(r) * M);
       }
   }
   auto quantized = [](std::vector<uint8_t>& buf, int64_t offset) {
@@ -176,8 +178,10 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       float* hr = h.data() + u.h_offset + int64_t(r) * H;
       if (bias1.present()) bias1.add_to(hr, u.e * H, H);
       glu_fn.apply(hr, act.data());
-      tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
-      if (u.aq_offset >= 0) tj::quantize_q8(act.data(), I, aq.data() + u.aq_offset + int64_t(r) * ldq2);
+      if (u.aq_offset >= 0)
+        tj::quantize_q8(act.data(), I, aq.data() + u.aq_offset + int64_t(r) * ldq2);
+      else
+        tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
     }
   });
 

@@ -57,6 +57,9 @@ inline float e4m3_to_float(uint8_t b) {
 
 inline float e8m0_to_float(uint8_t s) { return s == 0 ? bits_to_float(0x00400000u) : bits_to_float(uint32_t(s) << 23); }
 
+// e8m0_to_float of each lane's code (the low 8 bits, the rest zero).
+TJ_INLINE Native e8m0(UNative e) { return (Native)select((UNative)(e == splat_u(0)), splat_u(0x00400000u), e << 23); }
+
 // One packed [N, K] weight (pointers at its first row).
 struct PackedWeight {
   int fmt = kFp8Block;
@@ -186,8 +189,7 @@ inline void nv_decode_scales(const uint8_t* codes, int64_t count, float global, 
 // The E8M0 scales of register g of a wide MXFP4 chunk whose 4 scale codes are `four`: lane l of the chunk holds
 // elements 8l .. 8l+7, in block l/4 (`shift` [g]: 8 * block for each lane of register g).
 TJ_INLINE Native mx_wide_scale(uint32_t four, UNative shift) {
-  const UNative e = (splat_u(four) >> shift) & 255u;
-  return (Native)select((UNative)(e == splat_u(0)), splat_u(0x00400000u), e << 23);
+  return e8m0((splat_u(four) >> shift) & 255u);
 }
 
 struct MxShifts {

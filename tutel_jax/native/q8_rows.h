@@ -34,13 +34,14 @@ constexpr int kQOffset = 12;                // 2 x E2M1 + kQOffset >= 0
 constexpr int kQPrefetchBytes = 4096;       // codes read ahead (a row or two of a 2880-wide weight)
 static_assert(kQBytes % 16 == 0, "activation blocks are whole lanes of both halves");
 
-// Bytes of one quantized activation row of K elements.
-inline int64_t q8_row_bytes(int64_t K) { return (K + kQElems - 1) / kQElems * kQChunkBytes; }
+// Chunks of a row of K elements (the last one zero-padded), and the bytes of one quantized activation row.
+inline int64_t q8_chunks(int64_t K) { return (K + kQElems - 1) / kQElems; }
+inline int64_t q8_row_bytes(int64_t K) { return q8_chunks(K) * kQChunkBytes; }
 
 // x [K] -> dst [q8_row_bytes(K)]: int8 per block of 32 (round to nearest even), zero past K. A non-finite block
 // gets a NaN scale, so that the dots it enters are NaN as the float path's would be.
 inline void quantize_q8(const float* x, int64_t K, uint8_t* dst) {
-  const int64_t chunks = (K + kQElems - 1) / kQElems;
+  const int64_t chunks = q8_chunks(K);
   std::memset(dst, 0, size_t(chunks * kQChunkBytes));
   for (int64_t c = 0; c < chunks; ++c) {
     uint8_t* chunk = dst + c * kQChunkBytes;
@@ -116,10 +117,7 @@ inline void row_scales(const PackedWeight& w, const float* table, int64_t n, flo
     nv_decode_scales(s, count, w.global, w.fmt == kNvfp4Mul, table, dst);
   } else {
     int64_t i = 0;
-    for (; i + kNativeLanes <= count; i += kNativeLanes) {
-      const UNative e = load_bytes(s + i);
-      store(dst + i, (Native)select((UNative)(e == splat_u(0)), splat_u(0x00400000u), e << 23));
-    }
+    for (; i + kNativeLanes <= count; i += kNativeLanes) store(dst + i, e8m0(load_bytes(s + i)));
     for (; i < count; ++i) dst[i] = table[s[i]];
   }
   std::fill(dst + count, dst + padded, 0.0f);
@@ -132,7 +130,7 @@ inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t
   float table[256];
   scale_table(w, table);
   const int64_t block = w.fmt == kMxfp4 ? 32 : 16;
-  const int64_t padded = (w.K + kQElems - 1) / kQElems * (kQElems / block) + kNativeLanes;
+  const int64_t padded = q8_chunks(w.K) * (kQElems / block) + kNativeLanes;
   std::vector<float> scales(static_cast<size_t>(padded));
   with_row_count(R, [&](auto rows) {
     constexpr int kR = decltype(rows)::value;

@@ -26,10 +26,11 @@ from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp
 
 from ..quant import weights as quant_weights
 from ..validation import check_int
+from .build import int8_pays_off
 
 __all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS",
            "ACTIVATIONS", "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
-           "int8_capable", "bias_arg"]
+           "int8_capable", "int8_by_default", "bias_arg"]
 
 FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
 # the packed formats' ids live in their format modules
@@ -48,6 +49,12 @@ def int8_capable(w_or_format: Any) -> bool:
     fmt = FORMATS.get(w_or_format) if isinstance(w_or_format, str) else (
         format_of(w_or_format) if quant_weights.is_quantized(w_or_format) else None)
     return fmt is not None and fmt.native_int8
+
+
+def int8_by_default(w_or_format: Any) -> bool:
+    """Whether 'auto' multiplies this weight (or format) by int8 activations here: an FP4 format
+    (`int8_capable`) and a build whose byte dot products pay off (`build.int8_pays_off`)."""
+    return int8_capable(w_or_format) and int8_pays_off()
 
 
 def check_activations(activations: Any, what: str) -> bool:
