@@ -120,8 +120,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     C++ CPU kernel `native.dense`), 'native_int8' (FP4 weights times int8 activations) or 'auto': native on
     CPU for decode-sized batches of bfloat16 or packed weights, int8 activations for FP4 ones).
     `per_layer_jit`: compile one program per kind of block of layers (`layer_programs`: compile time flat with depth,
-    one dispatch per layer) instead of one program for the whole model; 'auto': for models of at least
-    PER_LAYER_MIN_LAYERS layers.
+    one dispatch per block of up to `layer_programs.MAX_LAYERS_PER_PROGRAM` layers) instead of one program for
+    the whole model; 'auto': for models of at least PER_LAYER_MIN_LAYERS layers.
     `check_finite` (default on): every tensor read from the checkpoint is checked for non-finite values as it
     is read (float tensors for NaN/inf, FP8 weights and the quantization scales, MXFP4 E8M0, FP8
     weight_scale_inv, NVFP4 e4m3 and global scales, for their NaN codes; see `checkpoint.safetensors_io`), so a

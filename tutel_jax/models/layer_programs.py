@@ -4,8 +4,9 @@
     logits, cache = fwd(params, ids, ctx, cache)    # embed, one dispatch per block of layers, head
 
 XLA compiles a whole-model forward as one program, whose size (and compile time) grows with the number of
-layers. Here the layers run in blocks of consecutive layers (by default the repeating pattern of the layers'
-kinds: GPT-OSS a sliding and a full layer, Qwen3-MoE one layer), and blocks of one kind share one program:
+layers. Here the layers run in blocks of consecutive layers (by default whole repeats of the pattern of the
+layers' kinds, up to 8 layers: GPT-OSS-20B four pairs of a sliding and a full layer, Qwen3-30B-A3B eight
+layers), and blocks of one kind share one program:
 what differs between layers is only their weights, their sliding window and their MoE config (None: a dense
 MLP), so GPT-OSS compiles one block program, Qwen3-MoE one, whatever the depth. Each block's KV caches are
 donated to its program (updated in place); each layer reads its own weight buffers as they are.
@@ -33,7 +34,11 @@ from .decoder import decoder_layer, embed, forward, head
 from .layers import AttnContext
 from .spec import DecoderSpec
 
-__all__ = ["LayerPrograms", "ModelStep"]
+__all__ = ["LayerPrograms", "ModelStep", "MAX_LAYERS_PER_PROGRAM"]
+
+#: a block program holds at most this many layers (unless `layers_per_program` says otherwise): fewer dispatches
+#: per step than a layer each, compile time still flat with depth
+MAX_LAYERS_PER_PROGRAM = 8
 
 
 def _block(lps, x, cos, sin, ctx, caches, *, spec, kinds, expert_mesh):
@@ -120,12 +125,20 @@ class LayerPrograms:
         return head_program(top, x, logits_at=logits_at), None if cache is None else new_cache
 
     def block_size(self) -> int:
-        """Layers per program: `layers_per_program`, or the period of the layers' kinds (GPT-OSS: 2, a sliding
-        and a full layer; Qwen3-MoE: 1) when that is short (<= 4), else 1."""
+        """Layers per program: `layers_per_program`, or whole repeats of the period of the layers' kinds
+        (GPT-OSS: 2, a sliding and a full layer; Qwen3-MoE: 1) up to `MAX_LAYERS_PER_PROGRAM`, preferring a
+        size that divides the depth (one program for every block). A step dispatches depth / size programs, and
+        each dispatch costs host time that on a CPU takes a core from the step's kernels; a kind with no short
+        period takes blocks of MAX_LAYERS_PER_PROGRAM (a program per distinct block)."""
         if self.layers_per_program is not None:
             return self.layers_per_program
+        depth = len(self.moe_configs)
         period = _period(tuple(zip(self.spec.windows, self.moe_configs)))
-        return period if period <= 4 else 1
+        if period > MAX_LAYERS_PER_PROGRAM:
+            return min(depth, MAX_LAYERS_PER_PROGRAM)
+        sizes = range(period, MAX_LAYERS_PER_PROGRAM + 1, period)
+        dividing = [s for s in sizes if depth % s == 0 and 2 * s >= MAX_LAYERS_PER_PROGRAM]
+        return min(depth, dividing[-1] if dividing else sizes[-1])
 
     def kinds(self) -> int:
         """How many block programs a forward compiles (distinct blocks of layer kinds)."""
