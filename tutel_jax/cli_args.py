@@ -14,7 +14,9 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["DEVICE_COUNT_FLAG", "CommandParser", "host_core_count", "ensure_host_device_count",
+from .core.host_memory import usable_cpus
+
+__all__ = ["DEVICE_COUNT_FLAG", "CommandParser", "ensure_host_device_count",
            "set_host_device_count", "int_at_least", "int_in_range", "finite_float", "positive_float",
            "non_negative_float", "checked"]
 
@@ -66,20 +68,12 @@ class CommandParser(argparse.ArgumentParser):
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def host_core_count() -> int:
-    """CPU cores available to this process."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def ensure_host_device_count(count: int | None = None) -> None:
     """Unless XLA_FLAGS already sets a host device count, sets it to `count` (default: one per core).
 
     It only affects the CPU platform, so it is harmless when JAX runs on an accelerator."""
     if DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        set_host_device_count(host_core_count() if count is None else count)
+        set_host_device_count(usable_cpus() if count is None else count)
 
 
 def set_host_device_count(count: int) -> None:

@@ -156,7 +156,7 @@ def test_reader_counts_non_finite_codes_per_dtype(tmp_path, name, code, array, c
                 f.get(name)
         else:
             assert f.get(name).tobytes() == array.tobytes()
-    # the file can still be closed after a refusal (no view of its mmap is left behind)
+    # the file can still be closed after a refusal
 
 
 def test_reader_counts_across_chunks(tmp_path, monkeypatch):
@@ -171,6 +171,28 @@ def test_reader_counts_across_chunks(tmp_path, monkeypatch):
                 f.get(name)
             assert e.value.count == 5
     assert count_nonfinite("w", a) == 5 and count_nonfinite("w", a.T) == 5
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_reader_reads_large_tensors_in_parts_on_threads(tmp_path, monkeypatch, workers):
+    # a tensor of at least twice _PARALLEL_READ_BYTES is read in contiguous parts of whole check chunks, one per
+    # thread: the same bytes and the same count as one reader (a part boundary between two bad values included)
+    from tutel_jax.checkpoint import safetensors_io
+    monkeypatch.setattr(safetensors_io, "_CHECK_CHUNK_BYTES", 64)
+    monkeypatch.setattr(safetensors_io, "_PARALLEL_READ_BYTES", 256)
+    monkeypatch.setattr(safetensors_io, "usable_cpus", lambda: workers)
+    a = np.random.default_rng(0).normal(size=(7, 129)).astype(np.float32)  # 3612 bytes: 57 chunks, a short last
+    p = _write(tmp_path / "t.safetensors", {"w": ("F32", a), "u": ("U8", a.view(np.uint8))})
+    with SafetensorsFile(p, check_finite=True) as f:
+        assert f.get("w").tobytes() == a.tobytes() and f.get("u").tobytes() == a.tobytes()
+    bad = a.copy()
+    # parts of 464 floats (2 workers) or 304 (3 workers): a bad value on each side of every boundary
+    bad.reshape(-1)[[0, 303, 304, 463, 464, 607, 608, 902]] = np.nan
+    p = _write(tmp_path / "bad.safetensors", {"w": ("F32", bad)})
+    with SafetensorsFile(p, check_finite=True) as f, \
+            pytest.raises(NonFiniteTensorError, match="has 8 non-finite value.*of 903") as e:
+        f.get("w")
+    assert e.value.count == 8
 
 
 # ----------------------------------------------------------------------------------------------------- the CLI

@@ -1,4 +1,4 @@
-"""A small, strict, lazy safetensors reader (mmap + ml_dtypes) for every dtype HF checkpoints use.
+"""A small, strict, lazy safetensors reader (positioned reads + ml_dtypes) for every dtype HF checkpoints use.
 
 The `safetensors` package's NumPy loader fails on F8_E4M3 and BF16 tensors; the
 format is simple enough to read directly:
@@ -16,7 +16,7 @@ directory (`paths.resolve_inside`), every mapped tensor must be in its shard, an
 Errors are `ValueError`s naming the file (and the tensor).
 
 With `check_finite=True` (what `models.from_pretrained` passes by default) every tensor is checked for
-non-finite values as it is read, chunk by chunk while it is copied out of the mmap (no extra full-size
+non-finite values as it is read, chunk by chunk while the chunk is in cache (no extra full-size
 temporaries): float tensors (f64/f32/f16/bf16) for NaN/inf, FP8 (e4m3fn NaN codes 0x7F/0xFF, e5m2 inf/NaN)
 through their byte patterns, and the uint8 quantization scales: MXFP4 E8M0 `*_scales` (0xFF is NaN) and NVFP4
 e4m3 `*.weight_scale` stored as bytes. Packed E2M1 nibbles and integer tensors have no non-finite codes. A hit
@@ -28,8 +28,9 @@ raises `NonFiniteTensorError` (a `CheckpointFormatError`, so a `ValueError`) nam
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
-import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -40,7 +41,7 @@ import numpy as np
 
 from pallas_kernels.quant import FORMATS
 
-from ..core.host_memory import empty_aligned
+from ..core.host_memory import empty_aligned, usable_cpus
 from ..validation import load_json
 from .paths import resolve_inside
 from .torch_zip import CheckpointFormatError
@@ -64,7 +65,15 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
 MAX_INDEX_BYTES = 100 * 1024 * 1024  # an index lists every tensor once: far less than its shards' headers
 MAX_RANK = 64  # NumPy's limit on array dimensions
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
-_CHECK_CHUNK_BYTES = 1 << 20  # the finite check copies and checks this much at a time (stays in cache)
+_CHECK_CHUNK_BYTES = 1 << 20  # the finite check reads and checks this much at a time (stays in cache)
+_READ_BYTES = 1 << 30  # at most this much per read call (Linux moves at most ~2 GiB per call)
+_PARALLEL_READ_BYTES = 32 << 20  # a tensor of at least twice this is read by several threads
+
+
+@functools.lru_cache(maxsize=1)
+def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read the parts of large tensors (one per usable CPU, made once)."""
+    return concurrent.futures.ThreadPoolExecutor(usable_cpus(), thread_name_prefix="safetensors-read")
 
 
 class NonFiniteTensorError(CheckpointFormatError):
@@ -96,10 +105,9 @@ def _nonfinite_rule(name: str, dtype: np.dtype) -> tuple[str, int, str] | None:
     return None
 
 
-def _scan(rule: tuple[str, int, str], dst: np.ndarray, src_bits: np.ndarray | None = None) -> int:
+def _scan(rule: tuple[str, int, str], dst: np.ndarray) -> int:
     """The number of non-finite values of the 1-D contiguous `dst` under `rule`, in chunks of ~1 MiB with
-    reused scratch buffers (no full-size temporary). With `src_bits` (raw bits, dst's size), each chunk is
-    first copied from there into `dst`, so it is checked while it is in cache."""
+    reused scratch buffers (no full-size temporary)."""
     test, pattern, _ = rule
     n = dst.size
     step = max(1, _CHECK_CHUNK_BYTES // dst.itemsize)
@@ -110,8 +118,6 @@ def _scan(rule: tuple[str, int, str], dst: np.ndarray, src_bits: np.ndarray | No
     bad = 0
     for i in range(0, n, step):
         j = min(n, i + step)
-        if src_bits is not None:  # copied as raw bits: ml_dtypes' own copy loops are slow
-            dst_bits[i:j] = src_bits[i:j]
         f = flags[:j - i]
         if test == "isfinite":
             np.isfinite(dst[i:j], out=f)
@@ -151,7 +157,6 @@ class SafetensorsFile(Mapping):
         if size < 8:
             self.close()
             raise ValueError(f"{self.path}: truncated safetensors file ({size} bytes, the header length alone is 8)")
-        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._entries, self.metadata = self._parse_header(size)
         except Exception:
@@ -162,13 +167,16 @@ class SafetensorsFile(Mapping):
         return ValueError(f"{self.path}: {msg}")
 
     def _parse_header(self, size: int) -> tuple[dict, dict[str, str]]:
-        (n,) = struct.unpack("<Q", self._mm[:8])
+        (n,) = struct.unpack("<Q", os.pread(self._fh.fileno(), 8, 0))
         if n > MAX_HEADER_BYTES:
             raise self._error(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt file?)")
         if 8 + n > size:
             raise self._error(f"truncated: header length {n} but the file has only {size - 8} bytes after it")
         # bounded parse: nesting checked first, a key twice refused (ValueError naming the file)
-        header = load_json(self._mm[8:8 + n], f"{self.path}: header")
+        text = os.pread(self._fh.fileno(), n, 8)
+        if len(text) != n:
+            raise self._error(f"truncated: header length {n} but only {len(text)} bytes could be read")
+        header = load_json(text, f"{self.path}: header")
         if not isinstance(header, dict):
             raise self._error(f"header must be a JSON object, got {type(header).__name__}")
         metadata = header.pop("__metadata__", None)
@@ -259,28 +267,17 @@ class SafetensorsFile(Mapping):
     def get(self, name: str, default=None) -> np.ndarray | None:
         """The tensor `name` as a new NumPy array (its on-disk dtype and shape); `default` if there is no such
         tensor (Mapping semantics; `f[name]` raises a KeyError naming the file instead). With `check_finite`,
-        a `NonFiniteTensorError` for a tensor with non-finite values (checked chunk by chunk as it is copied)."""
+        a `NonFiniteTensorError` for a tensor with non-finite values (checked chunk by chunk as it is read)."""
         if name not in self._entries:
             return default
-        if self._mm is None:
+        if self._fh is None:
             raise self._error("file is closed")
         code, shape, begin, end = self._entries[name]
         dtype = self._readable_dtype(name, code)
         n = (end - begin) // dtype.itemsize
-        src = np.frombuffer(self._mm, dtype=dtype, count=n, offset=begin)
+        out = empty_aligned(n, dtype)  # aligned: JAX:CPU adopts it without a copy (host_memory)
         rule = _nonfinite_rule(name, dtype) if self.check_finite else None
-        if rule is None:
-            out = empty_aligned(shape, dtype)  # aligned: JAX:CPU adopts it without a copy (host_memory)
-            np.copyto(out.reshape(-1).view(np.uint8), src.view(np.uint8))  # raw bytes: any dtype at memcpy speed
-            del src
-            self._release(begin, end)
-            return out
-        out = empty_aligned(n, dtype)
-        try:
-            bad = _scan(rule, out, src.view(f"<u{dtype.itemsize}")) if n else 0
-        finally:
-            del src  # no view of the mmap may outlive this call (close() would fail on it)
-            self._release(begin, end)
+        bad = self._read_tensor(name, out, begin, rule)
         if bad:
             raise NonFiniteTensorError(
                 f"{self.path}: tensor {name!r} ({dtype.name} {list(shape)}) has {bad} non-finite value(s) of {n} "
@@ -288,12 +285,43 @@ class SafetensorsFile(Mapping):
                 self.path, name, bad)
         return out.reshape(shape)
 
-    def _release(self, begin: int, end: int) -> None:
-        """Drops the mapped pages of bytes [begin, end) from this process (they stay in the page cache), so a
-        tensor copied out of the mmap is not held twice: peak memory while loading stays near the loaded size."""
-        if hasattr(mmap, "MADV_DONTNEED") and end > begin:
-            start = begin - begin % mmap.PAGESIZE
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    def _read_tensor(self, name: str, out: np.ndarray, offset: int, rule: tuple[str, int, str] | None) -> int:
+        """Reads the tensor at `offset` into the 1-D array `out`, checking each chunk under `rule` (None: no
+        check) while it is in cache; the number of non-finite values. A large tensor is read in contiguous
+        parts by every usable CPU at once (positioned reads and NumPy's checks run outside the GIL)."""
+        raw = out.view(np.uint8)
+        chunk = max(1, _CHECK_CHUNK_BYTES // out.itemsize) * out.itemsize
+
+        def part(lo: int, hi: int) -> int:
+            if rule is None:
+                self._read_into(name, raw[lo:hi], offset + lo)
+                return 0
+            bad = 0
+            for i in range(lo, hi, chunk):
+                j = min(hi, i + chunk)
+                self._read_into(name, raw[i:j], offset + i)
+                bad += _scan(rule, out[i // out.itemsize:j // out.itemsize])
+            return bad
+
+        workers = min(usable_cpus(), raw.size // _PARALLEL_READ_BYTES)
+        if workers < 2:
+            return part(0, raw.size)
+        step = -(-raw.size // (workers * chunk)) * chunk  # whole chunks per part
+        bounds = [(lo, min(raw.size, lo + step)) for lo in range(0, raw.size, step)]
+        return sum(_reader_pool().map(lambda b: part(*b), bounds))
+
+    def _read_into(self, name: str, dst: np.ndarray, offset: int) -> None:
+        """Reads len(dst) bytes at `offset` into the uint8 array dst (the kernel copies from its page cache
+        straight into dst: no mapped pages to fault in, no second copy); a file that shrank since its header was
+        checked is a ValueError naming the tensor."""
+        view, fd = memoryview(dst), self._fh.fileno()
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:done + _READ_BYTES]], offset + done)
+            if got <= 0:
+                raise self._error(f"tensor {name!r}: the file ends at byte {offset + done}, inside the tensor "
+                                  "(truncated since it was opened?)")
+            done += got
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype code, shape) of tensor `name` from the header (nothing is read)."""
@@ -301,9 +329,6 @@ class SafetensorsFile(Mapping):
         return code, shape
 
     def close(self) -> None:
-        if getattr(self, "_mm", None) is not None:
-            self._mm.close()
-        self._mm = None
         if getattr(self, "_fh", None) is not None:
             self._fh.close()
         self._fh = None

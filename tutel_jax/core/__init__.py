@@ -1,6 +1,6 @@
 """What every MoE layer builds on: the platform a program is compiled for and the kernel resolver (`backends`),
 shard_map varying-axis types (`vma`), per-call switches (`call_options`), the per-device routing context
-(`token_group`), the auxiliary losses (`losses`) and 64-byte aligned host arrays (`host_memory`)."""
+(`token_group`), the auxiliary losses (`losses`) and the host: 64-byte aligned arrays, usable CPUs (`host_memory`)."""
 
 from .backends import KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels
 from .call_options import DROPLESS_EXCHANGES, CallOptions

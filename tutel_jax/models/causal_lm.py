@@ -126,8 +126,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     is read (float tensors for NaN/inf, FP8 weights and the quantization scales, MXFP4 E8M0, FP8
     weight_scale_inv, NVFP4 e4m3 and global scales, for their NaN codes; see `checkpoint.safetensors_io`), so a
     corrupt file (flipped bits) fails at load instead of giving NaN logits: `NonFiniteTensorError` (a
-    ValueError) naming the file, the tensor and the count. It costs a pass over each tensor while it is copied
-    out of the mmap; `check_finite=False` skips it.
+    ValueError) naming the file, the tensor and the count. It costs a pass over each tensor while it is read
+    (in cache); `check_finite=False` skips it.
     `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
     per-layer progress bar (None: when stderr is a terminal). Errors (ValueError naming the file or tensor;
     nothing partial is returned): unknown model_type, missing config.json / shard / tensor, bad safetensors

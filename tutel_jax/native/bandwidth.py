@@ -12,25 +12,16 @@ write, one core) understates it.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
-from ..core.host_memory import empty_aligned
+from ..core.host_memory import empty_aligned, usable_cpus
 from ..validation import check_int
 from .build import load
 
 __all__ = ["read_bandwidth", "read_words", "usable_cpus"]
 
 _PATTERN = 0x0102040810204080  # one bit per byte lane: the OR of every word proves every word was read
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # pragma: no cover - platforms without affinity masks
-        return max(os.cpu_count() or 1, 1)
 
 
 def read_words(words: np.ndarray, threads: int, reps: int = 1) -> tuple[float, int]:

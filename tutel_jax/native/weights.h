@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "float_cols.h"
 #include "packed_rows.h"
@@ -157,26 +158,39 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
 }
 
 // Runs fn(0 .. items-1) on up to `max_workers` workers of XLA's intra-op pool, the calling thread being one of
-// them, and returns when every item is done. A pool task that starts late finds no item left and touches only
-// the shared state (held by shared_ptr).
+// them, and returns when every item is done. Worker w first takes the items of its own contiguous share
+// [w * items / W, (w + 1) * items / W) in order, then helps with the others' shares: each worker streams one
+// contiguous stretch of the weights (as a streaming read does), and a worker that starts late or runs slow loses
+// nothing. A pool task that starts late finds no item left and touches only the shared state (held by shared_ptr).
 inline void run_items(ffi::ThreadPool& pool, int64_t items, int64_t max_workers, std::function<void(int64_t)> fn) {
   if (items <= 0) return;
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    int64_t items = 0;
-    std::function<void(int64_t)> fn;
-  };
-  auto st = std::make_shared<State>();
-  st->items = items;
-  st->fn = std::move(fn);
-  auto work = [st] {
-    for (int64_t i; (i = st->next.fetch_add(1)) < st->items;) {
-      st->fn(i);
-      st->done.fetch_add(1);
-    }
-  };
   const int64_t pool_size = std::max<int64_t>(1, pool.num_threads());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>({items, max_workers, pool_size}));
+  struct State {
+    std::vector<std::atomic<int64_t>> next;  // per share: its next item
+    std::vector<int64_t> end;
+    std::atomic<int64_t> joined{0}, done{0};
+    int64_t items = 0;
+    std::function<void(int64_t)> fn;
+    explicit State(int64_t w) : next(w), end(w) {}
+  };
+  auto st = std::make_shared<State>(workers);
+  st->items = items;
+  st->fn = std::move(fn);
+  for (int64_t w = 0; w < workers; ++w) {
+    st->next[w].store(w * items / workers);
+    st->end[w] = (w + 1) * items / workers;
+  }
+  auto work = [st, workers] {
+    const int64_t me = st->joined.fetch_add(1) % workers;
+    for (int64_t j = 0; j < workers; ++j) {
+      const int64_t share = (me + j) % workers;
+      for (int64_t i; (i = st->next[share].fetch_add(1)) < st->end[share];) {
+        st->fn(i);
+        st->done.fetch_add(1);
+      }
+    }
+  };
   for (int64_t w = 1; w < workers; ++w) pool.Schedule(std::function<void()>(work));
   work();
   while (st->done.load() != items) std::this_thread::yield();
