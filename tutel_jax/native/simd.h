@@ -101,10 +101,22 @@ TJ_INLINE Native splat(float s) { return Native{} + s; }
 TJ_INLINE UNative splat_u(uint32_t s) { return UNative{} + s; }
 TJ_INLINE UNative select(UNative mask, UNative a, UNative b) { return (a & mask) | (b & ~mask); }  // mask ? a : b
 
-TJ_INLINE UNative load_bytes(const uint8_t* p) {  // kNativeLanes bytes, one per lane
+// kNativeLanes bytes, one per lane: one widening load where the ISA has it (compilers turn the generic
+// conversion of a byte vector into a byte-by-byte insert sequence)
+TJ_INLINE UNative load_bytes(const uint8_t* p) {
+#if defined(TJ_ISA_AVX512)
+  return (UNative)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(TJ_ISA_AVX2)
+  return (UNative)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(TJ_ISA_NEON)
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(word))));
+#else
   BNative b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, UNative);
+#endif
 }
 
 TJ_INLINE UNative load_words(const uint8_t* p) {  // 4 bytes per lane
