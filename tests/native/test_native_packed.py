@@ -105,6 +105,23 @@ def check_kernels_against_reference(shapes=tuple(SHAPES)) -> None:
                 args, kwargs, ref = _moe_case(fmt, shape, glu)
                 _close(jax.jit(lambda *a, kw=kwargs: moe_experts(*a, **kw))(*args), ref)
         _check_dense(fmt)
+    check_e4m3_codes()
+
+
+def check_e4m3_codes() -> None:
+    """Each of the 254 finite e4m3fn codes (zeros, subnormals, normals, both signs) alone in its row, at a
+    different lane of a register each, times activations that are powers of two: every output is exact (the
+    one-row, register-pass and many-row kernels)."""
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    K = 128
+    data = np.zeros((codes.size, K), np.uint8)
+    data[np.arange(codes.size), np.arange(codes.size) % K] = codes
+    w = pallas_kernels.Fp8BlockWeight(jnp.asarray(data.view(ml_dtypes.float8_e4m3fn)),
+                                      jnp.full((2, 1), 0.5, jnp.float32))
+    value = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    for rows in (1, 3, 12):
+        x = np.ones((rows, K), np.float32) * (2.0 ** np.arange(rows, dtype=np.float32))[:, None]
+        np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), x[:, :1] * 0.5 * value[None, :])
 
 
 def _check_dense(fmt, seed=1):
@@ -152,6 +169,11 @@ def test_nvfp4_long_rows_with_every_kind_of_scale(fmt):
     for rows in (1, 3):
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)
         _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
+
+
+@needs_compiler
+def test_every_e4m3_code_decodes_exactly():
+    check_e4m3_codes()
 
 
 @needs_compiler

@@ -151,8 +151,8 @@ struct Fp8Chunks {
   const float* scales;   // row block's scale_inv row
   TJ_INLINE void get(int64_t c, Native* w) const {
     prefetch(codes + c * kChunk + kPrefetchBytes);
-    const Native s = splat(scales[(c * kChunk) / kFp8Tile]);
-    for (int v = 0; v < kChunkVectors; ++v) w[v] = e4m3(load_bytes(codes + c * kChunk + v * kNativeLanes)) * s;
+    const Native s = splat(scales[(c * kChunk) / kFp8Tile] * 0x1p8f);  // codes decode times 2^-8
+    for (int v = 0; v < kChunkVectors; ++v) w[v] = e4m3_bytes_2m8(codes + c * kChunk + v * kNativeLanes) * s;
   }
 };
 
@@ -251,16 +251,22 @@ TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
   }
 }
 
-// out[r] += dot of the 32-element chunks [0, count) with xa[r * ldx] for R rows: each chunk decoded once.
+// out[r] += dot of the 32-element chunks [0, count) with xa[r * ldx] for R rows: each chunk decoded once, one
+// accumulator per register of a chunk (independent multiply-add chains: one chain would wait on its latency).
 template <int R, typename Chunks>
 TJ_INLINE void add_chunk_dots(const Chunks& chunks, int64_t count, const float* xa, int64_t ldx, Native* acc) {
+  Native part[R][kChunkVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kChunkVectors; ++v) part[r][v] = Native{};
   for (int64_t c = 0; c < count; ++c) {
     Native w[kChunkVectors];
     chunks.get(c, w);
     const float* xc = xa + c * kChunk;
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunkVectors; ++v) acc[r] += load(xc + r * ldx + v * kNativeLanes) * w[v];
+      for (int v = 0; v < kChunkVectors; ++v) part[r][v] += load(xc + r * ldx + v * kNativeLanes) * w[v];
   }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kChunkVectors; ++v) acc[r] += part[r][v];
 }
 
 // One FP4 row times R arranged rows: wide chunks first (8 table decodes per register of codes, one scale
