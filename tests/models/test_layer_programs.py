@@ -88,6 +88,22 @@ def test_compiles_once_per_kind_of_layer_whatever_the_depth(tmp_path):
     assert counts == {4: 1, 8: 1}
 
 
+@pytest.mark.parametrize("depth, pattern, size", [
+    (24, "sf", 8),   # GPT-OSS-20B: four (sliding, full) pairs, 3 programs a step
+    (36, "sf", 6),   # GPT-OSS-120B: the largest whole repeat up to 8 that divides the depth
+    (48, "m", 8),    # Qwen3-30B-A3B
+    (94, "m", 8),    # Qwen3-235B: no divisor from 4 to 8, so blocks of 8 and a last block of 6
+    (10, "sf", 8),
+    (4, "sf", 4),    # a shallow model: one block
+    (61, "ddd" + "m" * 58, 8),  # DeepSeek-V3: no short period, blocks of 8 (a program per distinct block)
+])
+def test_default_block_size(depth, pattern, size):
+    kinds = (pattern * depth)[:depth]
+    spec = type("Spec", (), {"windows": tuple(kinds)})()
+    programs = layer_programs.LayerPrograms(spec, (None,) * depth)
+    assert programs.block_size() == size <= layer_programs.MAX_LAYERS_PER_PROGRAM
+
+
 @pytest.mark.parametrize("layers_per_program, kinds", [(1, 2), (3, 3)])  # a layer each; blocks of 3 (+ 2)
 def test_other_block_sizes_give_the_same_logits(tmp_path, layers_per_program, kinds):
     path, tensors = _deep_gpt_oss(tmp_path, 8)
