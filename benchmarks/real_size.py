@@ -238,7 +238,8 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     from tutel_jax.models import from_pretrained
     from tutel_jax.models.causal_lm import PER_LAYER_JIT_CHOICES
     from tutel_jax.models.memory import memory_report
-    from tutel_jax.native.bandwidth import read_bandwidth, usable_cpus
+    from tutel_jax.core.host_memory import usable_cpus
+    from tutel_jax.native.bandwidth import read_bandwidth
 
     files = sorted(model_dir.glob("*.safetensors"))
     out: dict[str, Any] = {"model": model_dir.name, "shards": len(files)}

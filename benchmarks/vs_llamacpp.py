@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--serving-only: {args.out} holds {previous.get('model')!r}, not {args.model!r}")
 
     from benchmarks import make_real_size
-    from tutel_jax.native.bandwidth import read_bandwidth, usable_cpus
+    from tutel_jax.core.host_memory import usable_cpus
+    from tutel_jax.native.bandwidth import read_bandwidth
 
     model = f"{args.model}-tiny" if args.quick and not args.model.endswith("-tiny") else args.model
     cpus = sorted(os.sched_getaffinity(0))[: args.threads or usable_cpus()]

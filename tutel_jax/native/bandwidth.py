@@ -19,7 +19,7 @@ from ..core.host_memory import empty_aligned, usable_cpus
 from ..validation import check_int
 from .build import load
 
-__all__ = ["read_bandwidth", "read_words", "usable_cpus"]
+__all__ = ["read_bandwidth", "read_words"]
 
 _PATTERN = 0x0102040810204080  # one bit per byte lane: the OR of every word proves every word was read
 

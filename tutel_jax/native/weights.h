@@ -170,12 +170,10 @@ inline void run_items(ffi::ThreadPool& pool, int64_t items, int64_t max_workers,
     std::vector<std::atomic<int64_t>> next;  // per share: its next item
     std::vector<int64_t> end;
     std::atomic<int64_t> joined{0}, done{0};
-    int64_t items = 0;
     std::function<void(int64_t)> fn;
     explicit State(int64_t w) : next(w), end(w) {}
   };
   auto st = std::make_shared<State>(workers);
-  st->items = items;
   st->fn = std::move(fn);
   for (int64_t w = 0; w < workers; ++w) {
     st->next[w].store(w * items / workers);
