@@ -66,7 +66,7 @@ def test_shared_experts_match_formula(gated):
     params = shared.init(jax.random.key(2), M, M, jnp.float32)
     x = _x(9, 3)
     p = {k: np.asarray(v, np.float64) for k, v in params.items() if k != "gate"}
-    want = ref.swiglu(x.astype(np.float64), p["gate_proj"].T, p["up_proj"].T, p["down_proj"].T)
+    want = ref.swiglu(x.astype(np.float64), p["gate_proj"], p["up_proj"], p["down_proj"])  # [out, in]
     if gated:
         want = want * ref.sigmoid(x.astype(np.float64) @ np.asarray(params["gate"]["weight"], np.float64).T)
     np.testing.assert_allclose(np.asarray(shared.apply(params, jnp.asarray(x))), want, rtol=1e-5, atol=1e-6)

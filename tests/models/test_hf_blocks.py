@@ -137,7 +137,7 @@ def test_loader_layout_and_errors():
     moe_config, params = hf_moe_block(tensors, config)
     assert moe_config.num_global_experts == 8 and moe_config.shared_experts is not None
     assert params["experts"]["gate_up_proj"].shape == (8, 64, 2, 48)
-    assert params["shared_experts"]["gate_proj"].shape == (64, 48)
+    assert params["shared_experts"]["gate_proj"].shape == (48, 64)
     gate = moe_config.gates[0]
     assert (gate.n_group, gate.topk_group, gate.routed_scaling_factor) == (2, 1, 2.5)
     with pytest.raises(ValueError, match="no MoE block"):

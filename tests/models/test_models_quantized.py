@@ -91,7 +91,7 @@ def _float_twin(config_q, params_q):
     if "shared_experts" in params_q:
         s = params_q["shared_experts"]
         experts["shared"] = {"hidden_size": config_q.shared_experts.hidden_size}
-        params["shared_experts"] = {n: quant_weights.dequantize(s[n]).T for n in s}
+        params["shared_experts"] = {n: quant_weights.dequantize(s[n]) for n in s}
     return make_config({"type": "top", "k": 2}, config_q.model_dim, experts), params
 
 

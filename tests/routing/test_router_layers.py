@@ -92,9 +92,9 @@ def _dense_layer(case, config, params, x, chosen):
             w = w / w.sum(1, keepdims=True)
     y = jnp.einsum("se,seo->so", w, _all_experts(config, params["experts"], x), precision=HP)
     if "shared_experts" in params:
-        sp = params["shared_experts"]
-        sh = (jax.nn.silu(jnp.dot(x, sp["gate_proj"], precision=HP)) * jnp.dot(x, sp["up_proj"], precision=HP))
-        sh = jnp.dot(sh, sp["down_proj"], precision=HP)
+        sp = params["shared_experts"]  # [out, in]
+        sh = (jax.nn.silu(jnp.dot(x, sp["gate_proj"].T, precision=HP)) * jnp.dot(x, sp["up_proj"].T, precision=HP))
+        sh = jnp.dot(sh, sp["down_proj"].T, precision=HP)
         if "gate" in sp:
             sh = sh * jax.nn.sigmoid(jnp.dot(x, sp["gate"]["weight"].T, precision=HP))
         y = y + sh

@@ -7,10 +7,10 @@ shardings, from config.json alone (no checkpoint file is read).
 
 It follows the loader step by step without touching array data: the checkpoint's tensors by on-disk name,
 dtype and shape (`quant_layout.checkpoint_layout`, packed formats included), the quantized view's containers
-(`dequant.QuantizedTensors`), the in-memory layout (`param_layout.to_memory`: [in, out] kernels, fused q/k/v),
+(`dequant.QuantizedTensors`), the in-memory layout (`param_layout.to_memory`: fused q/k/v),
 the MoE block (`moe_block.hf_moe_block`: stacked experts, gate dtypes, shared experts) and the placement
 (`placement.MeshPlacement`: routed experts split over the expert axis, the rest replicated). The real loader
-cannot be run on abstract values: it transposes, fuses and stacks NumPy arrays, which for a real-size layer
+cannot be run on abstract values: it fuses and stacks NumPy arrays, which for a real-size layer
 means gigabytes on the host. `tests/compile/test_compile_cli.py` checks this tree against the real loader's, leaf by
 leaf, for every family and quantized format.
 """
@@ -76,18 +76,13 @@ def _sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _t(w: Any) -> Any:
-    """`param_layout.kernel`: [out, in] -> [in, out] for float weights; containers unchanged."""
-    return w if quant_weights.is_quantized(w) else _sds(w.shape[:-2] + (w.shape[-1], w.shape[-2]), w.dtype)
-
-
 def _attention(on_disk: dict[str, Any], spec: DecoderSpec) -> dict[str, Any]:
-    """`param_layout.to_memory` on abstract values: float linears as kernels, float q/k/v fused."""
-    out = {k: _t(v) if "proj" in k else v for k, v in on_disk.items()}
+    """`param_layout.to_memory` on abstract values: float q/k/v fused."""
+    out = dict(on_disk)
     qkv = [on_disk.get(f"{n}_proj") for n in "qkv"]
     if spec.mla is None and all(w is not None and not quant_weights.is_quantized(w) for w in qkv):
         ws = [out.pop(f"{n}_proj") for n in "qkv"]
-        out["qkv_proj"] = _sds((ws[0].shape[0], sum(w.shape[1] for w in ws)), ws[0].dtype)
+        out["qkv_proj"] = _sds((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].dtype)
         if "q_bias" in out:
             bs = [out.pop(f"{n}_bias") for n in "qkv"]
             out["qkv_bias"] = _sds((sum(b.shape[0] for b in bs),), bs[0].dtype)
@@ -136,7 +131,6 @@ def _moe_block(t: Mapping[str, Any], config: Mapping[str, Any], layer: int, dtyp
     if shared is not None:
         sp = {n: t[f"{p}{shared.prefix}{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
         fmt = _format(list(sp.values()))
-        sp = {n: _t(v) for n, v in sp.items()} if fmt is None else sp
         if shared.gate is not None:
             sp["gate"] = {"weight": t[p + shared.gate]}
         experts["shared"] = {"hidden_size": shared.hidden_size, "gate": shared.gate is not None, "weight_format": fmt}
@@ -225,7 +219,7 @@ def abstract_model(config: Mapping[str, Any], mesh: Mesh, expert_axis: str = "ex
             moe_configs.append(moe_config)
         else:
             mp = p + mlp_prefix(spec)
-            layer["mlp"] = {k: place("dense", _t(t[f"{mp}{k}.weight"]), dtype) for k in ("gate_proj", "up_proj", "down_proj")}
+            layer["mlp"] = {k: place("dense", t[f"{mp}{k}.weight"], dtype) for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)
         layers.append(layer)
     params = {"embed": place("dense", t["model.embed_tokens.weight"], dtype), "layers": layers,

@@ -1,6 +1,7 @@
-"""One dense projection for every layer that has one: `linear(x, w, b, impl)` with a float kernel [in, out] or a
-quantized container of the on-disk [out, in] weight, through XLA or, for a few rows on CPU, the native kernel
-(`native.dense`: each weight byte read once, packed formats decoded in registers)."""
+"""One dense projection for every layer that has one: `linear(x, w, b, impl)` with the weight [out, in] as a
+checkpoint stores it, float or a quantized container (one layout, one call), through XLA or, for a few rows on
+CPU, the native kernel (`native.dense`: each weight row read once, contiguously; packed formats decoded in
+registers)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:
 
 
 def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto") -> jax.Array:
-    """x [..., in] @ w (+ b [out]) -> [..., out] in x's dtype: w a float kernel [in, out], or a quantized container
-    of the on-disk [out, in] weight.
+    """x [..., in] @ w.T (+ b [out]) -> [..., out] in x's dtype: w [out, in] as on disk, a float array or a
+    quantized container.
 
     impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant.weights`), 'native' (the
     C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
@@ -46,6 +47,6 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     integer dot products) or 'auto' (`native_activations`)."""
     activations = native_activations(x, w, impl)
     if activations is not None:
-        return dense(x, w, b, activations=activations).astype(x.dtype)
-    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.matmul(x, w)
+        return dense(x, w, b, rows=True, activations=activations).astype(x.dtype)
+    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.einsum("...k,nk->...n", x, w)
     return y if b is None else y + b

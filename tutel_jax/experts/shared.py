@@ -24,16 +24,15 @@ __all__ = ["SharedExperts", "make_shared_experts"]
 
 @dataclasses.dataclass(frozen=True)
 class SharedExperts:
-    """`y_shared = g(x) * down(act(x @ gate_proj) * (x @ up_proj))`, g = 1 or sigmoid(x @ gate.weight.T).
+    """`y_shared = g(x) * down(act(gate(x)) * up(x))` (each projection `x @ w.T`), g = 1 or sigmoid(x @ gate.weight.T).
 
     Attributes:
       hidden_size: intermediate size (DeepSeek: moe_intermediate_size * n_shared_experts).
       gate: multiply by a learned sigmoid gate (Qwen2-MoE `shared_expert_gate`, weight [1, M], no bias).
       activation_fn: silu by default.
 
-    Parameters ([in, out] layout, HF weights transposed): gate_proj [M, I], up_proj [M, I], down_proj [I, M_out],
-    and with `gate` also gate: {'weight': [1, M]}. With `weight_format` the three projections are quantized
-    containers in the HF [out, in] layout instead: gate_proj [I, M], up_proj [I, M], down_proj [M_out, I].
+    Parameters in the HF [out, in] layout, float arrays or (with `weight_format`) quantized containers:
+    gate_proj [I, M], up_proj [I, M], down_proj [M_out, I], and with `gate` also gate: {'weight': [1, M]}.
     """
 
     hidden_size: int
@@ -45,11 +44,11 @@ class SharedExperts:
         keys = jax.random.split(key, 4)
         u = lambda k, shape, fan_in: jax.random.uniform(k, shape, jnp.float32, -fan_in ** -0.5,
                                                         fan_in ** -0.5).astype(dtype)
-        params = {"gate_proj": u(keys[0], (model_dim, self.hidden_size), model_dim),
-                  "up_proj": u(keys[1], (model_dim, self.hidden_size), model_dim),
-                  "down_proj": u(keys[2], (self.hidden_size, output_dim), self.hidden_size)}
+        params = {"gate_proj": u(keys[0], (self.hidden_size, model_dim), model_dim),
+                  "up_proj": u(keys[1], (self.hidden_size, model_dim), model_dim),
+                  "down_proj": u(keys[2], (output_dim, self.hidden_size), self.hidden_size)}
         if self.weight_format is not None:
-            params.update({name: quant_weights.quantize(params[name].astype(jnp.float32).T, self.weight_format)
+            params.update({name: quant_weights.quantize(params[name].astype(jnp.float32), self.weight_format)
                            for name in ("gate_proj", "up_proj", "down_proj")})
         if self.gate:
             params["gate"] = {"weight": u(keys[3], (1, model_dim), model_dim)}
@@ -58,12 +57,13 @@ class SharedExperts:
     def apply(self, params: dict, x: jax.Array) -> jax.Array:
         """x [S, M] -> [S, M_out] in x's dtype."""
         dtype = x.dtype
-        if self.weight_format is not None:  # packed weights: for a few rows on CPU the native kernel streams them
-            h = self.activation_fn(linear(x, params["gate_proj"])) * linear(x, params["up_proj"])
-            y = linear(h, params["down_proj"])
-        else:
-            h = self.activation_fn(x @ params["gate_proj"].astype(dtype)) * (x @ params["up_proj"].astype(dtype))
-            y = h @ params["down_proj"].astype(dtype)
+        # packed weights: for a few rows on CPU the native kernel streams them; float ones are an XLA matmul in
+        # x's dtype (differentiable: the layer trains)
+        packed = self.weight_format is not None
+        w = {n: params[n] if packed else params[n].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj")}
+        impl = "auto" if packed else "xla"
+        h = self.activation_fn(linear(x, w["gate_proj"], impl=impl)) * linear(x, w["up_proj"], impl=impl)
+        y = linear(h, w["down_proj"], impl=impl)
         if "gate" in params:
             y = y * jax.nn.sigmoid(x @ params["gate"]["weight"].astype(dtype).T)
         return y

@@ -52,7 +52,8 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int | None) 
 def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
                   spec: DecoderSpec, window: int | None, cache: dict | None = None):
     """x [B, T, M] -> ([B, T, M], new cache); window: the layer's sliding window (None: full).
-    p (see `param_layout`): qkv_proj (fused kernel) [+ qkv_bias], or q/k/v_proj [+ q/k/v_bias] (quantized);
+    p (see `param_layout`; linears [out, in]): qkv_proj (fused) [+ qkv_bias], or q/k/v_proj [+ q/k/v_bias]
+    (quantized);
     o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or [Hq*D] / [Hkv*D] ('projection'); sinks [Hq]."""
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
@@ -73,9 +74,9 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
 
 
 def _kv_b_heads(w: Any, heads: int, dtype: Any) -> jax.Array:
-    """kv_b_proj as `dtype` [H, nope + v, kv_lora] (out, in per head) from the fused kernel [kv_lora, H*(nope+v)]
-    or a packed [H*(nope+v), kv_lora] container (dequantized: kv_lora x H*(nope+v) values, a few MB per layer)."""
-    w = quant_weights.dequantize(w, dtype) if quant_weights.is_quantized(w) else jnp.asarray(w, dtype).T
+    """kv_b_proj as `dtype` [H, nope + v, kv_lora] (out, in per head) from the weight [H*(nope+v), kv_lora], float
+    or a packed container (dequantized: kv_lora x H*(nope+v) values, a few MB per layer)."""
+    w = quant_weights.dequantize(w, dtype) if quant_weights.is_quantized(w) else jnp.asarray(w, dtype)
     return w.reshape(heads, -1, w.shape[-1])
 
 

@@ -21,7 +21,7 @@ import safetensors.numpy
 from ..quant import weights as quant_weights
 from .hf_tables import attention_table, mlp_prefix
 from .moe_block import hf_moe_block_tensors
-from .param_layout import to_disk, unkernel
+from .param_layout import to_disk
 
 __all__ = ["hf_tensors", "save_pretrained"]
 
@@ -47,7 +47,7 @@ def hf_tensors(model: Any) -> dict[str, np.ndarray]:
         if "moe" in lp:
             out.update(hf_moe_block_tensors(lp["moe"], model.config, i))
         else:
-            out.update({f"{p}{mlp_prefix(spec)}{k}.weight": unkernel(v) for k, v in lp["mlp"].items()})
+            out.update({f"{p}{mlp_prefix(spec)}{k}.weight": arr(v) for k, v in lp["mlp"].items()})
     return out
 
 

@@ -7,9 +7,8 @@ Layer parameters (`{i}` is the layer index in the on-disk names):
   norms       input_layernorm, post_attention_layernorm  [M]
   ffn         'moe': the tutel-jax MoE block params (`moe_block.hf_moe_block`), or 'mlp': dense SwiGLU
               `{gate,up,down}_proj` under the family's FFN prefix
-Float linear weights are held as kernels [in, out] and GQA q/k/v as one fused kernel (`param_layout`); the
-per-tensor transform is that, then a cast to the model dtype (quantized weights stay packed: `quant_weights`
-containers with the on-disk [out, in] layout).
+Linear weights keep the on-disk [out, in] layout and GQA float q/k/v become one fused weight (`param_layout`);
+each tensor is then cast to the model dtype (quantized weights stay packed: `quant_weights` containers).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from tqdm.auto import tqdm
 from ..quant import weights as quant_weights
 from .families import get_family
 from .moe_block import _num_experts, hf_moe_block
-from .param_layout import kernel, to_memory
+from .param_layout import to_memory
 from .spec import DecoderSpec
 
 __all__ = ["attention_table", "mlp_prefix", "load_params", "expected_shapes", "implied_tensor_count"]
@@ -144,7 +143,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
             moe_configs.append(moe_config)
         else:
             mp = p + mlp_prefix(spec)
-            layer["mlp"] = {k: cast(kernel(_read(tensors, f"{mp}{k}.weight", shapes[f"mlp.{k}"])))
+            layer["mlp"] = {k: cast(_read(tensors, f"{mp}{k}.weight", shapes[f"mlp.{k}"]))
                             for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)
         layers.append(layer)

@@ -1,8 +1,8 @@
 """Building blocks of the HF decoder families: RMSNorm, RoPE (default / YaRN, half-split / interleaved),
 masked attention with an optional static KV cache and attention sinks, dense SwiGLU MLP.
 
-Float linear weights are kernels [in, out] (`linear(x, w, b)` computes `x @ w + b`; see `param_layout`);
-quantized containers keep the on-disk [out, in] blocks, and so do the lm_head and the embedding (`unembed`).
+Linear weights are [out, in] as on disk, float or quantized containers (`linear(x, w, b)` computes
+`x @ w.T + b`; see `param_layout`), and so are the lm_head and the embedding (`unembed`).
 Shapes: B batch, T new tokens, L key slots (T without a cache, the static cache length with one),
 Hq / Hkv query / key-value heads, D head dim.
 """
@@ -45,7 +45,7 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
 
 
 def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array, impl: str = "auto") -> jax.Array:
-    """Dense HF MLP `down(silu(gate(x)) * up(x))`; p holds gate_proj / up_proj / down_proj kernels."""
+    """Dense HF MLP `down(silu(gate(x)) * up(x))`; p holds gate_proj / up_proj / down_proj [out, in]."""
     return linear(jax.nn.silu(linear(x, p["gate_proj"], impl=impl)) * linear(x, p["up_proj"], impl=impl),
                   p["down_proj"], impl=impl)
 

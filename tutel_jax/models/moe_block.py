@@ -90,11 +90,9 @@ def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str,
 
 def _shared_experts(tensors, prefix: str, hidden: int, gate_name: str | None = None) -> tuple[dict, dict]:
     """(the experts['shared'] spec, its params) from `{prefix}{gate,up,down}_proj.weight` (+ a sigmoid gate
-    weight [1, H] under `gate_name`). Float weights take the [in, out] layout; quantized ones stay [out, in]."""
+    weight [1, H] under `gate_name`), [out, in] as stored, float or quantized."""
     params = {n: _take(tensors, f"{prefix}{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")}
     fmt = _format_of(list(params.values()), prefix)
-    if fmt is None:
-        params = {n: v.T for n, v in params.items()}
     if gate_name is not None:
         params["gate"] = {"weight": _take(tensors, gate_name)}
     return {"hidden_size": hidden, "gate": gate_name is not None, "weight_format": fmt}, params
@@ -204,7 +202,7 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
         if "gate" in shared_params and shared.gate is not None:
             out[p + shared.gate] = arr(shared_params.pop("gate")["weight"])
         for name, w in shared_params.items():
-            out[f"{p}{shared.prefix}{name}.weight"] = np.ascontiguousarray(arr(w).T)
+            out[f"{p}{shared.prefix}{name}.weight"] = np.ascontiguousarray(arr(w))
     return out
 
 
