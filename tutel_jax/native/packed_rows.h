@@ -95,7 +95,6 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
   return kE2M1[code] * table[w.scale[n * w.scales_per_row() + k / block]];
 }
 
-constexpr int kPrefetchBytes = 8192;
 constexpr int kWide = 128;  // FP4 elements per wide chunk (one 64-byte load)
 
 // Activations laid out for `fmt` (FP8 and float rows: x as it is). FP4 rows are read in wide chunks of 128
@@ -150,7 +149,7 @@ struct Fp8Chunks {
   const uint8_t* codes;  // row's codes
   const float* scales;   // row block's scale_inv row
   TJ_INLINE void get(int64_t c, Native* w) const {
-    prefetch(codes + c * kChunk + kPrefetchBytes);
+    prefetch_stream(codes + c * kChunk);
     const Native s = splat(scales[(c * kChunk) / kFp8Tile] * 0x1p8f);  // codes decode times 2^-8
     for (int v = 0; v < kChunkVectors; ++v) w[v] = e4m3_bytes_2m8(codes + c * kChunk + v * kNativeLanes) * s;
   }
@@ -161,11 +160,12 @@ struct FloatRowChunks {
   const uint16_t* bf16;
   TJ_INLINE void get(int64_t c, Native* w) const {
     if (f32) {
-      prefetch(f32 + c * kChunk + kPrefetchBytes / 4);
+      prefetch_stream(f32 + c * kChunk);
+      prefetch_stream(f32 + c * kChunk + 16);
       for (int v = 0; v < kChunkVectors; ++v) w[v] = load(f32 + c * kChunk + v * kNativeLanes);
       return;
     }
-    prefetch(bf16 + c * kChunk + kPrefetchBytes / 2);
+    prefetch_stream(bf16 + c * kChunk);
     for (int v = 0; v < kChunkVectors; ++v) w[v] = load(bf16 + c * kChunk + v * kNativeLanes);
   }
 };
@@ -276,7 +276,7 @@ inline void fp4_dot_row(Fp4Row& row, const float* xa, int64_t ldx, Native* acc) 
   for (int64_t c = 0; c < row.wide; ++c) {
     row.start(c);
     // a few lines ahead (into the next rows): memory and arithmetic overlap instead of taking turns
-    prefetch(row.codes + 64 * c + kPrefetchBytes);
+    prefetch_stream(row.codes + 64 * c);
     const float* xc = xa + c * kWide;
 #pragma GCC unroll 4
     for (int g = 0; g < kGroups; ++g) {

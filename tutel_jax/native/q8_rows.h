@@ -31,7 +31,6 @@ constexpr int kQElems = 2 * kQBytes;        // activation elements per chunk
 constexpr int kQChunkBytes = 4 * kQBytes;   // one chunk of a quantized row: q even, q odd, offsets, scales
 constexpr int kQBlock = 32;                 // activation elements per int8 scale
 constexpr int kQOffset = 12;                // 2 x E2M1 + kQOffset >= 0
-constexpr int kQPrefetchBytes = 4096;       // codes read ahead (a row or two of a 2880-wide weight)
 static_assert(kQBytes % 16 == 0, "activation blocks are whole lanes of both halves");
 
 // Chunks of a row of K elements (the last one zero-padded), and the bytes of one quantized activation row.
@@ -97,7 +96,7 @@ inline void fp4_q8_dots(const uint8_t* codes, int64_t K, const float* row_scale,
     }
   };
   for (int64_t c = 0; c < full; ++c) {
-    prefetch(codes + c * kQBytes + kQPrefetchBytes);
+    prefetch_stream(codes + c * kQBytes);
     step(codes + c * kQBytes, c);
   }
   if (full * kQBytes < bytes) {  // the last partial chunk: zero codes past the row (their activations are 0)

@@ -3,8 +3,10 @@
 //   tutel_read_seconds(buf, bytes, threads, reps, &or_of_all_words) -> best seconds of `reps` full reads
 //
 // Each of `threads` threads reads one contiguous slice, OR-ing its 64-byte lines into four independent vector
-// accumulators (no stores, no arithmetic dependency on memory latency); the OR of every 8-byte word comes back
-// through `or_out`, so a caller can check that every byte was read (and the compiler cannot drop the loads).
+// accumulators (no stores, no arithmetic dependency on memory latency), with the kernels' software prefetch of a
+// weight stream (`prefetch_stream`, simd.h: a read at its best, not one the kernels could outrun); the OR of every
+// 8-byte word comes back through `or_out`, so a caller can check that every byte was read (and the compiler
+// cannot drop the loads).
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -12,6 +14,8 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -22,6 +26,7 @@ uint64_t or_words(const uint8_t* p, size_t n) {
   typedef uint64_t U64x8 __attribute__((vector_size(64)));
   U64x8 a0{}, a1{}, a2{}, a3{};
   for (; i + 256 <= n; i += 256) {
+    for (int j = 0; j < 4; ++j) tj::prefetch_stream(p + i + 64 * j);
     U64x8 v[4];
     std::memcpy(v, p + i, sizeof(v));
     a0 |= v[0];
