@@ -68,6 +68,8 @@ void stream_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t d
           __builtin_prefetch(reinterpret_cast<const char*>(row[j] + kPrefetchRows * ldw) + b);
     for (int64_t c = 0; c < vec_end; c += kNativeLanes) {
       Native wv[kDepthStep];
+      if (width == ldw && c % (64 / sizeof(W)) == 0)  // whole rows: each row's stream, once per line
+        for (int j = 0; j < kDepthStep; ++j) prefetch_stream(row[j] + c);
       for (int j = 0; j < kDepthStep; ++j) wv[j] = load(row[j] + c);
       for (int r = 0; r < R; ++r) {
         Native o;
