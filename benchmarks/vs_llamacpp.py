@@ -28,7 +28,7 @@ outside the repository):
               p99 latency (`benchmarks/serve.timed_load`, one untimed level first). `--serving-only` measures this
               alone and adds it to an existing results file of the same model.
 The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
-5). `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1 (`real_size.decode_bytes`) x tok/s /
+5, each thread's stream prefetched as the kernels prefetch theirs). `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1 (`real_size.decode_bytes`) x tok/s /
 the read bandwidth. Medians over rounds. Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
 """
 
@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     tj["roofline_b1"] = tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / bandwidth
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
               "read_bandwidth_method": f"tutel_jax.native.bandwidth.read_bandwidth: {threads} threads, "
-                                       f"{32 if args.quick else 1024} MiB buffer, best of 5",
+                                       f"{32 if args.quick else 1024} MiB buffer, best of 5, "
+                                       "software prefetch 8 and 16 KB ahead",
               "prompt_len": rounds_tj[0]["prompt_len"], "tutel_jax": tj, "tutel_jax_rounds": rounds_tj,
               "machine": machine_info()}
     if rounds_ll:

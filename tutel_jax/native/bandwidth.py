@@ -4,7 +4,8 @@ weight once per token).
     read_bandwidth(nbytes=1 GiB, threads=None, reps=5) -> bytes per second
 
 `threads` threads (default: this process's usable CPUs) each read one contiguous slice of one buffer with vector
-loads (`read_bandwidth.cc`, built like the other native kernels); the best of `reps` passes counts. The buffer is
+loads and the kernels' software prefetch of a stream (`read_bandwidth.cc`, built like the other native kernels:
+a read at its best, which no kernel outruns); the best of `reps` passes counts. The buffer is
 larger than any cache, so the figure is DRAM's, as a multi-threaded kernel sees it: a copy bandwidth (read plus
 write, one core) understates it.
 """
