@@ -169,7 +169,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
     # multiply-reduce fusions (XLA:CPU's small batched matmuls are slower there)
     group_dot = T == 1 and (B == 1 or Hq // Hkv >= 16)
     if group_dot:
-        s = jnp.einsum("bgrd,bgld->bgrl", q[:, 0].astype(jnp.float32), k.astype(jnp.float32))
+        # float32 products of the stored dtype's values (exact for bfloat16), without a float32 copy of the cache
+        s = jnp.einsum("bgrd,bgld->bgrl", q[:, 0], k, preferred_element_type=jnp.float32)
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
     elif T == 1:
         s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
