@@ -2,9 +2,9 @@
 
     dense(x [..., K], w, b=None, rows=False) -> float32 [..., N]
 
-`w` is a float32 / bfloat16 kernel [K, N] (the models' [in, out] layout), float rows [N, K] (`rows=True`: an
-lm_head or a tied embedding as stored) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4)
-in the checkpoint's [N, K] layout. A decode step's attention
+`w` is float rows [N, K] (`rows=True`: the models' linear weights, lm_head and tied embedding, as stored), a
+float32 / bfloat16 kernel [K, N] ([in, out]) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4,
+NVFP4) in the checkpoint's [N, K] layout. A decode step's attention
 projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
 packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
 `worth_it(x, w)` is the models' rule for using it (CPU, a few rows, a weight the kernel reads).
