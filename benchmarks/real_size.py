@@ -15,8 +15,9 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
   TTFT    a --prompt-len prompt (random ids, batch 1): prefill + the first greedy token, after a compiling run;
   decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
   read    the streaming read bandwidth with the process's CPUs as threads (`native.bandwidth.read_bandwidth`:
-          a 1 GiB buffer, best of 5, prefetched as the kernels prefetch), with the model resident; also a copy bandwidth (np.copyto of 256 MiB
-          buffers, one thread, STREAM's convention: bytes read + written per second), for comparison;
+          a 1 GiB buffer, best of 5, prefetched as the kernels prefetch), with the model resident; also a copy
+          bandwidth (np.copyto of 256 MiB buffers, one thread, STREAM's convention: bytes read + written per
+          second), for comparison;
   roofline  bytes read per decode step / step time / read bandwidth. Bytes per step: every non-expert weight
           (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
           E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).

@@ -29,7 +29,6 @@ from tutel_jax.layer.config import make_config
 from tutel_jax.layer.pipeline import init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import build, dense, moe_experts
-from tutel_jax.quant import weights as quant_weights
 from tutel_jax.serving import generate
 from support.packed_weights import random_weight
 from support.paths import HF, REPO
@@ -131,7 +130,7 @@ def _check_dense(fmt, seed=1):
     w, w_ref = random_weight(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
     b = rng.normal(size=(600,)).astype(np.float32)
     # float weights also as rows [out, in]: the models' layout of every linear weight (`experts.linear`)
-    w_rows = None if quant_weights.is_quantized(w) else jnp.asarray(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
+    w_rows = jnp.swapaxes(w, -1, -2) if fmt in ("float32", "bfloat16") else None
     dense_rows = jax.jit(lambda x, w, b=None: dense(x, w, b, rows=True))
     for rows in (1, 2, 3, 11):  # one row, two, a few, more than one register pass of 8
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)

@@ -219,7 +219,8 @@ def abstract_model(config: Mapping[str, Any], mesh: Mesh, expert_axis: str = "ex
             moe_configs.append(moe_config)
         else:
             mp = p + mlp_prefix(spec)
-            layer["mlp"] = {k: place("dense", t[f"{mp}{k}.weight"], dtype) for k in ("gate_proj", "up_proj", "down_proj")}
+            layer["mlp"] = {k: place("dense", t[f"{mp}{k}.weight"], dtype)
+                            for k in ("gate_proj", "up_proj", "down_proj")}
             moe_configs.append(None)
         layers.append(layer)
     params = {"embed": place("dense", t["model.embed_tokens.weight"], dtype), "layers": layers,
