@@ -215,16 +215,18 @@ OTHER_ISAS = [isa for isa in build.cpu_isas() if isa != build.cpu_isas()[0]] if 
 @pytest.mark.parametrize("isa", OTHER_ISAS)
 def test_every_isa_this_cpu_runs_matches_reference(tmp_path, isa):
     """The kernels built for each other instruction set this CPU runs (TUTEL_JAX_NATIVE_ISA: AVX2 on an AVX-512
-    machine, the portable C++ everywhere), apart, on the same checks as the best one in this process."""
+    machine, the portable C++ everywhere), apart, on the same checks as the best one in this process (the decode
+    attention's too)."""
     env = dict(os.environ, TUTEL_JAX_NATIVE_ISA=isa, TUTEL_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     code = ("import sys; sys.path[:0] = ['tests/native', 'tests']; import test_native_packed as t; "
-            "import test_native_q8 as q; from tutel_jax import native; t.check_kernels_against_reference(); "
-            "q.check_q8_kernels(); print('isa', native.isa())")
+            "import test_native_q8 as q; import test_native_attention as a; from tutel_jax import native; "
+            "t.check_kernels_against_reference(); q.check_q8_kernels(); a.check_attention_kernel(); "
+            "print('isa', native.isa())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"isa {isa}" in done.stdout
-    assert len(list((tmp_path / "cache").glob("*.so"))) == 2  # moe_cpu and dense_cpu, built for this run
+    assert len(list((tmp_path / "cache").glob("*.so"))) == 3  # moe_cpu, dense_cpu, attention_cpu: built for this run
 
 
 def test_cpu_isas_end_with_portable():

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..native import attention as native_attention
 from ..quant import weights as quant_weights
 from .layers import AttnContext, apply_rope, attend, linear, rms_norm, write_cache
 from .spec import DecoderSpec
@@ -68,8 +69,14 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     if spec.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
-    k, v, cache = _with_cache(k, v, cache, ctx)
-    o = attend(q, k, v, ctx, D ** -0.5, window=window, sinks=p.get("sinks"))
+    if cache is not None and spec.dense_impl != "xla" and native_attention.worth_it(q, cache["k"]):
+        # a decode step on CPU: the cache update and the attention over it in one native call, in place
+        o, ck, cv = native_attention.decode_attention(q, k, v, cache["k"], cache["v"], ctx.index, ctx.key_valid,
+                                                      D ** -0.5, window=window, sinks=p.get("sinks"))
+        o, cache = o.astype(cache["v"].dtype), {"k": ck, "v": cv}
+    else:
+        k, v, cache = _with_cache(k, v, cache, ctx)
+        o = attend(q, k, v, ctx, D ** -0.5, window=window, sinks=p.get("sinks"))
     return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias"), spec.dense_impl), cache
 
 

@@ -1,6 +1,7 @@
 """Native CPU kernels (C++ through XLA FFI), compiled on first use for the instruction set in effect (`isa()`:
 AVX-512, AVX2, NEON or portable C++; `TUTEL_JAX_NATIVE_ISA` forces one): see `build`, `moe` (the routed experts
-of a MoE layer, float or packed) and `dense` (a linear layer for a few rows)."""
+of a MoE layer, float or packed), `dense` (a linear layer for a few rows) and `attention` (one decode step of
+attention over a static KV cache)."""
 
 from .build import NativeKernelError, isa
 from .dense import dense

@@ -222,7 +222,7 @@ class TopGate(Gate):
         wg = params["wg"]["weight"]
         if self.fp32_gate:
             wg, x = wg.astype(jnp.float32), x.astype(jnp.float32)
-        return jnp.dot(x.astype(wg.dtype), wg.T, precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum("...m,em->...e", x.astype(wg.dtype), wg, precision=jax.lax.Precision.HIGHEST)
 
 
 def _l2_normalize(v: jax.Array, axis: int) -> jax.Array:

@@ -300,7 +300,7 @@ class _LinearRouter(Gate):
         w = params["weight"]
         if self.fp32_gate:
             w, x = w.astype(jnp.float32), x.astype(jnp.float32)
-        out = jnp.dot(x.astype(w.dtype), w.T, precision=jax.lax.Precision.HIGHEST)
+        out = jnp.einsum("...m,em->...e", x.astype(w.dtype), w, precision=jax.lax.Precision.HIGHEST)
         if "bias" in params:
             out = out + params["bias"].astype(out.dtype)
         return out
