@@ -75,6 +75,7 @@ def _moe_case(fmt, shape, glu, seed=0):
     x = rng.normal(size=(tokens, model_dim)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)], axis=1).astype(np.int32)
     enc = rng.uniform(0.5, 1.5, size=ids.shape).astype(np.float32)
+    enc[:, -1] = enc[0, -1]  # one token's experts share its input row (prepared once and copied), the others not
     dec = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
     ids[0, 0], ids[-1, -1] = -1, 2 ** 30  # not this device's experts: skipped
     enc[0, 1] = 0.0  # dropped assignments: skipped

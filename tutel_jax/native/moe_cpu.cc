@@ -138,16 +138,47 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<uint8_t> xq(xq_bytes), aq(aq_bytes);
   const float* xs = x.typed_data();
   {
-    std::vector<float> row(M);
+    // Each expert's input rows (enc * x[token]) as W1 reads them: int8 (the float ones are then not read) or
+    // arranged float32. A row equal to an earlier one (the same token and enc in the same form: a decode
+    // token's k experts) is copied from it; the distinct ones are prepared over the pool.
+    struct Row {
+      void* dst;
+      int64_t token;
+      float enc;
+      bool q8;
+      int64_t same_as;  // -1, or an earlier Row this one copies
+    };
+    std::vector<Row> rows;
     for (const auto& u : used)
       for (size_t r = 0; r < u.rows.size(); ++r) {
-        const float* src = xs + u.rows[r].token * M;
-        for (int64_t m = 0; m < M; ++m) row[m] = u.rows[r].enc * src[m];
-        if (u.xq_offset >= 0)  // int8 rows: the float ones are not read
-          tj::quantize_q8(row.data(), M, xq.data() + u.xq_offset + int64_t(r) * ldq1);
-        else
-          tj::arrange(w1[0].fmt, row.data(), M, xin.data() + u.x_offset + int64_t(r) * M);
+        const bool q8 = u.xq_offset >= 0;
+        void* dst = q8 ? static_cast<void*>(xq.data() + u.xq_offset + int64_t(r) * ldq1)
+                       : static_cast<void*>(xin.data() + u.x_offset + int64_t(r) * M);
+        rows.push_back({dst, u.rows[r].token, u.rows[r].enc, q8, -1});
       }
+    std::vector<int64_t> distinct, first(S, -1);  // first: each token's first row
+    for (int64_t i = 0; i < int64_t(rows.size()); ++i) {
+      int64_t& f = first[rows[i].token];
+      if (f >= 0 && rows[f].enc == rows[i].enc && rows[f].q8 == rows[i].q8) {
+        rows[i].same_as = f;
+        continue;
+      }
+      if (f < 0) f = i;
+      distinct.push_back(i);
+    }
+    tj::run_items(pool, int64_t(distinct.size()), max_workers, [&](int64_t i) {
+      const Row& row = rows[distinct[i]];
+      std::vector<float> scaled(M);
+      const float* src = xs + row.token * M;
+      for (int64_t m = 0; m < M; ++m) scaled[m] = row.enc * src[m];
+      if (row.q8)
+        tj::quantize_q8(scaled.data(), M, static_cast<uint8_t*>(row.dst));
+      else
+        tj::arrange(w1[0].fmt, scaled.data(), M, static_cast<float*>(row.dst));
+    });
+    for (const Row& row : rows)
+      if (row.same_as >= 0)
+        std::memcpy(row.dst, rows[row.same_as].dst, row.q8 ? size_t(ldq1) : sizeof(float) * M);
   }
   auto quantized = [](std::vector<uint8_t>& buf, int64_t offset) {
     return offset < 0 ? nullptr : buf.data() + offset;
