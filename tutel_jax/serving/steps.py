@@ -23,6 +23,7 @@ Sampling is per row (`RowSampling`): row b's token n uses the key fold_in(fold_i
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -170,6 +171,16 @@ def _key_valid(pad: jax.Array, L: int) -> jax.Array:
     return jnp.arange(L)[None, :] >= pad[:, None]
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _decode_context(index: jax.Array, pad: jax.Array | None, rows: int, slots: int) -> AttnContext:
+    """A decode step's attention context for `rows` rows over `slots` cache slots: one program (with per-layer
+    programs the step body runs unjitted, and each of these few array operations would be a dispatch of its
+    own at every step; inside a jitted step it is inlined)."""
+    pad = _padding(pad, rows)
+    positions = jnp.broadcast_to(index - pad, (rows,))[:, None].astype(jnp.int32)
+    return AttnContext(positions, index, _key_valid(pad, slots))
+
+
 def prefill_body(apply: Any, params: Any, ids: jax.Array, cache: Any, sampling: RowSampling,
                  pad: jax.Array | None = None, last_at: jax.Array | None = None):
     """Step 0: feeds the prompts ids [B, T] into cache slots 0 .. T-1 and samples each row's first token.
@@ -196,9 +207,7 @@ def decode_body(apply: Any, params: Any, tok: jax.Array, index: jax.Array, steps
     TRACES["decode"] += 1
     R = tok.shape[0]
     B, L = _cache_slots(cache)
-    pad = _padding(pad, R)
-    positions = jnp.broadcast_to(index - pad, (R,))[:, None].astype(jnp.int32)
-    ctx = AttnContext(positions, index, _key_valid(pad, L))
+    ctx = _decode_context(index, pad, R, L)
     if R == B:
         logits, cache = apply(params, tok[:, None], ctx, cache)
     else:  # the rows past R are all free: leave them out of the step
