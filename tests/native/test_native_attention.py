@@ -83,7 +83,7 @@ def check_attention_kernel(seed: int = 0) -> None:
             q, k, v, kc, vc, key_valid, sinks = _case(rng, B, Hq, Hkv, D, L, dtype, with_sinks)
             index = jnp.asarray(index, jnp.int32)
             scale = D ** -0.5
-            run = jax.jit(lambda *a: decode_attention(*a, scale, window=window, sinks=sinks))
+            run = jax.jit(lambda *a, s=scale, w=window, k=sinks: decode_attention(*a, s, window=w, sinks=k))
             o, nk, nv = run(q, k, v, kc, vc, index, key_valid)
             assert o.dtype == jnp.float32 and nk.dtype == dtype and o.shape == (B, 1, Hq, D)
             ref, rk, rv = reference(q, k, v, kc, vc, index, np.asarray(key_valid), scale, window, sinks)
