@@ -63,7 +63,7 @@ NEON_CPUS = ("cortex_a53", "neoverse_n1")  # ARMv8.0-A; ARMv8.2-A with the dot-p
 
 @pytest.mark.skipif(importlib.util.find_spec("ziglang") is None,
                     reason="the ziglang cross compiler (in the [test] extra) is not installed")
-@pytest.mark.parametrize("source", ["moe_cpu", "dense_cpu", "read_bandwidth"])
+@pytest.mark.parametrize("source", ["moe_cpu", "dense_cpu", "attention_cpu", "read_bandwidth"])
 def test_neon_build_compiles_for_aarch64(tmp_path, source):
     """The kernels compiled for AArch64 (base ARMv8-A, and with the dot-product extension) with the flags the
     build uses there: the NEON code, not the portable one (TUTEL_JAX_REQUIRE_ISA fails the compile otherwise)."""
