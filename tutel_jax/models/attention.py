@@ -55,7 +55,9 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     """x [B, T, M] -> ([B, T, M], new cache); window: the layer's sliding window (None: full).
     p (see `param_layout`; linears [out, in]): qkv_proj (fused) [+ qkv_bias], or q/k/v_proj [+ q/k/v_bias]
     (quantized);
-    o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or [Hq*D] / [Hkv*D] ('projection'); sinks [Hq]."""
+    o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or [Hq*D] / [Hkv*D] ('projection'); sinks [Hq].
+    A decode step on CPU (one token, a float32 / bfloat16 cache, dense_impl other than 'xla') writes the cache and
+    attends in one native call (`native.attention`), with `write_cache` + `attend`'s semantics."""
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     if "qkv_proj" in p:
