@@ -99,6 +99,7 @@ def _moe_case(fmt: str, tokens: int, glu: str, seed: int = 0):
     x = rng.normal(size=(tokens, model_dim)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)], axis=1).astype(np.int32)
     enc = rng.uniform(0.5, 1.5, size=ids.shape).astype(np.float32)
+    enc[:, -1] = enc[0, -1]  # one token's experts share its quantized row (prepared once and copied)
     dec = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
     w2, w2_ref = random_weight(rng, (experts, out_dim, hidden), fmt)
     w1, w1_ref = random_weight(rng, (experts, 2 * hidden, model_dim), fmt)
