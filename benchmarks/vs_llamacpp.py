@@ -29,7 +29,8 @@ outside the repository):
               alone and adds it to an existing results file of the same model.
 The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
 5, each thread's stream prefetched as the kernels prefetch theirs). `roofline_b1` = the bytes tutel-jax reads per
-decode step at batch 1 (`real_size.decode_bytes`) x tok/s / the read bandwidth. Medians over rounds. Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
+decode step at batch 1 (`real_size.decode_bytes`) x tok/s / the read bandwidth. Medians over rounds. Writes
+benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
 """
 
 from __future__ import annotations

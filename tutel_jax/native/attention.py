@@ -18,29 +18,26 @@ import numpy as np
 
 from ..core import backends
 from ..core.vma import varying_like
-from .build import NativeKernelError, register
+from .build import can_register, register
 from .weights import FLOAT_DTYPES, check_max_workers
 
 __all__ = ["decode_attention", "worth_it", "CACHE_DTYPES"]
 
 TARGET = "tutel_jax_decode_attention"
+_LIBRARY = ("attention_cpu", "TutelJaxDecodeAttention", TARGET)  # the source, its handler, the FFI target
 CACHE_DTYPES = FLOAT_DTYPES  # float32, bfloat16
 
 
 def ensure_registered() -> None:
     """Build (first use on this machine) and register the kernel; raises NativeKernelError when it cannot."""
-    register("attention_cpu", "TutelJaxDecodeAttention", TARGET)
+    register(*_LIBRARY)
 
 
 def worth_it(q: jax.Array, cache: jax.Array) -> bool:
-    """The kernel's case: CPU, one query token, a float32 or bfloat16 cache, and the kernel can be built."""
-    if q.shape[1] != 1 or jnp.dtype(cache.dtype) not in CACHE_DTYPES or backends.platform() != "cpu":
-        return False
-    try:
-        ensure_registered()
-    except NativeKernelError:
-        return False
-    return True
+    """The kernel's case: CPU, one query token, a float32 or bfloat16 cache, and the kernel can be built (a
+    TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError)."""
+    return (q.shape[1] == 1 and jnp.dtype(cache.dtype) in CACHE_DTYPES and backends.platform() == "cpu"
+            and can_register(*_LIBRARY))
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

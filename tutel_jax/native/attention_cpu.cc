@@ -57,12 +57,14 @@ template <typename T>
 TJ_INLINE void add_scaled(float* o, float p, const T* row, int64_t Dv) {
   const tj::Native pv = tj::splat(p);
   int64_t d = 0;
-  for (; d + tj::kNativeLanes <= Dv; d += tj::kNativeLanes) tj::store(o + d, tj::load(o + d) + pv * tj::load(row + d));
+  for (; d + tj::kNativeLanes <= Dv; d += tj::kNativeLanes)
+    tj::store(o + d, tj::load(o + d) + pv * tj::load(row + d));
   for (; d < Dv; ++d) o[d] += p * to_float(row[d]);
 }
 
 // exp of each lane (Cephes' single-precision polynomial after a split into 2^n e^r, |r| <= ln2 / 2: within 1.01
-// ulp of exp over [-87, 0]), 0 below -87 (where expf's result is no longer a normal float: XLA:CPU flushes those to 0 as well).
+// ulp of exp over [-87, 0]), 0 below -87 (where expf's result is no longer a normal float: XLA:CPU flushes those
+// to 0 as well).
 // The softmax's exponentials otherwise cost more than its dot products.
 TJ_INLINE tj::Native exp_lanes(tj::Native x) {
   typedef int32_t SNative __attribute__((vector_size(sizeof(tj::Native))));
@@ -83,7 +85,8 @@ TJ_INLINE tj::Native exp_lanes(tj::Native x) {
 
 // One (row b, kv head g): write the new key and value, then every query head of the group attends.
 template <typename T>
-void group_step(const Step& a, const T* k_new, const T* v_new, T* K, T* V, int64_t item, std::vector<float>& scores) {
+void group_step(const Step& a, const T* k_new, const T* v_new, T* K, T* V, int64_t item,
+                std::vector<float>& scores) {
   const int64_t b = item / a.Hkv, g = item % a.Hkv, R = a.Hq / a.Hkv;
   K += item * a.L * a.D;
   V += item * a.L * a.Dv;
@@ -161,7 +164,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("decode_attention: sinks must be [Hq] or empty");
   // aliased outputs are the caches themselves; otherwise (XLA kept the inputs) start from a copy
   for (auto [in, out] : {std::pair{&k_cache, &*k_out}, std::pair{&v_cache, &*v_out}})
-    if (out->untyped_data() != in->untyped_data()) std::memcpy(out->untyped_data(), in->untyped_data(), in->size_bytes());
+    if (out->untyped_data() != in->untyped_data())
+      std::memcpy(out->untyped_data(), in->untyped_data(), in->size_bytes());
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* kn = static_cast<const T*>(k_new.untyped_data());

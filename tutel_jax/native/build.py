@@ -29,8 +29,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
-__all__ = ["ISAS", "NativeKernelError", "cache_dir", "compiler", "cpu_isas", "isa", "isa_in_effect", "load",
-           "register"]
+__all__ = ["ISAS", "NativeKernelError", "cache_dir", "can_register", "compiler", "cpu_isas", "isa", "isa_in_effect",
+           "load", "register"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # -ffp-contract=fast: a * b + c in the vector code is one fused multiply-add
@@ -196,6 +196,18 @@ def register(name: str, symbol: str, target: str) -> None:
         if target not in _registered:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
             _registered.add(target)
+
+
+def can_register(name: str, symbol: str, target: str) -> bool:
+    """`register(name, symbol, target)`, True when it succeeds and False when the kernel cannot be built here (no
+    C++ compiler, a failed build). A TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError
+    instead: a forced ISA is never silently replaced by another path."""
+    isa_in_effect()
+    try:
+        register(name, symbol, target)
+    except NativeKernelError:
+        return False
+    return True
 
 
 def isa() -> str:

@@ -22,31 +22,25 @@ import numpy as np
 from ..core import backends
 from ..quant import weights as quant_weights
 from ..core.vma import varying_like
-from .build import NativeKernelError, isa_in_effect, register
+from .build import can_register, register
 from .weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
 
 __all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
 
 TARGET = "tutel_jax_dense"
+_LIBRARY = ("dense_cpu", "TutelJaxDense", TARGET)  # the source, its handler symbol, the FFI target
 #: at most this many rows go to the kernel (decode and small batches); more rows are a matmul XLA does well
 MAX_ROWS = 16
 
 
 def ensure_registered() -> None:
-    register("dense_cpu", "TutelJaxDense", TARGET)
+    register(*_LIBRARY)
 
 
 def available() -> bool:
     """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler). A
     TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError instead."""
-    if backends.platform() != "cpu":
-        return False
-    isa_in_effect()
-    try:
-        ensure_registered()
-    except NativeKernelError:
-        return False
-    return True
+    return backends.platform() == "cpu" and can_register(*_LIBRARY)
 
 
 def worth_it(x: jax.Array, w: Any) -> bool:
