@@ -28,9 +28,11 @@ outside the repository):
               p99 latency (`benchmarks/serve.timed_load`, one untimed level first). `--serving-only` measures this
               alone and adds it to an existing results file of the same model.
 The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
-5, each thread's stream prefetched as the kernels prefetch theirs). `roofline_b1` = the bytes tutel-jax reads per
-decode step at batch 1 (`real_size.decode_bytes`) x tok/s / the read bandwidth. Medians over rounds. Writes
-benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
+5, each thread's stream prefetched as the kernels prefetch theirs), measured in each tutel-jax round's process
+right after its batch-1 decode: a shared machine's bandwidth drifts by tens of percent over minutes, so a decode
+speed is set against the bandwidth of its own moment. `roofline_b1` = the bytes tutel-jax reads per decode step
+at batch 1 (`real_size.decode_bytes`) x tok/s / that round's read bandwidth. Medians over rounds (each round's
+figures are kept). Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
 """
 
 from __future__ import annotations
@@ -218,6 +220,11 @@ def tutel_jax_round(model_dir: Path, cpus: list[int], env: dict[str, str], quick
     return result
 
 
+def read_bandwidth_bytes(quick: bool) -> int:
+    """The read-bandwidth buffer: larger than any cache (the smoke test's: small)."""
+    return (32 if quick else 1024) << 20
+
+
 def child(model_dir: Path, quick: bool) -> dict:
     """In the child: load, then prefill and decode speeds (module docstring); prints one JSON line."""
     import jax.numpy as jnp
@@ -227,6 +234,7 @@ def child(model_dir: Path, quick: bool) -> dict:
     from tutel_jax import native
     from tutel_jax.experts.dropless import resolve_impl
     from tutel_jax.models import from_pretrained
+    from tutel_jax.native.bandwidth import read_bandwidth
 
     prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
                                                                                          DECODE_B8)
@@ -238,12 +246,15 @@ def child(model_dir: Path, quick: bool) -> dict:
     ids = rng.integers(0, model.spec.vocab_size, (1, prompt))
     dec.run(ids, 1)  # compiles the prefill and the step at batch 1
     ttft, times_b1, _ = dec.run(ids, steps_b1)
+    bandwidth = read_bandwidth(read_bandwidth_bytes(quick), len(os.sched_getaffinity(0)))
+    bytes_b1 = decode_bytes(model, 1)
     ids8 = rng.integers(0, model.spec.vocab_size, (BATCH, 16))
     dec.run(ids8, 1)
     _, times_b8, _ = dec.run(ids8, steps_b8)
     return {"decode_b1_tok_s": 1 / statistics.median(times_b1), "prefill_512_tok_s": prompt / ttft,
             "decode_b8_tok_s": BATCH / statistics.median(times_b8), "load_seconds": load_s,
-            "bytes_per_step_b1": decode_bytes(model, 1), "prompt_len": prompt, "isa": native.isa(),
+            "bytes_per_step_b1": bytes_b1, "read_bandwidth_bytes_per_s": bandwidth,
+            "roofline_b1": bytes_b1 / statistics.median(times_b1) / bandwidth, "prompt_len": prompt, "isa": native.isa(),
             "expert_path": resolve_impl("auto", model.moe_configs[0].experts)}
 
 
@@ -361,7 +372,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import make_real_size
     from tutel_jax.core.host_memory import usable_cpus
-    from tutel_jax.native.bandwidth import read_bandwidth
 
     model = f"{args.model}-tiny" if args.quick and not args.model.endswith("-tiny") else args.model
     cpus = sorted(os.sched_getaffinity(0))[: args.threads or usable_cpus()]
@@ -389,17 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         rounds_tj.append(tutel_jax_round(model_dir, cpus, env, args.quick))
         print(f"round {i + 1}: tutel-jax {rounds_tj[-1]['decode_b1_tok_s']:.2f} tok/s"
               + (f", llama.cpp {rounds_ll[-1]['decode_b1_tok_s']:.2f} tok/s" if rounds_ll else ""), flush=True)
-    os.sched_setaffinity(0, cpus)
-    bandwidth = read_bandwidth((32 if args.quick else 1024) << 20, threads)
     tj = medians(rounds_tj)
     tj["bytes_per_step_b1"] = rounds_tj[0]["bytes_per_step_b1"]
     tj["isa"] = rounds_tj[0]["isa"]  # the native kernels' instruction set
     tj["expert_path"] = rounds_tj[0]["expert_path"]  # the default dropless path (native_int8: int8 activations)
-    tj["roofline_b1"] = tj["bytes_per_step_b1"] * tj["decode_b1_tok_s"] / bandwidth
+    tj["roofline_b1"] = statistics.median(r["roofline_b1"] for r in rounds_tj)
+    bandwidth = statistics.median(r["read_bandwidth_bytes_per_s"] for r in rounds_tj)
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
               "read_bandwidth_method": f"tutel_jax.native.bandwidth.read_bandwidth: {threads} threads, "
-                                       f"{32 if args.quick else 1024} MiB buffer, best of 5, "
-                                       "software prefetch 8 and 16 KB ahead",
+                                       f"{read_bandwidth_bytes(args.quick) >> 20} MiB buffer, best of 5, "
+                                       "software prefetch 8 and 16 KB ahead; in each tutel-jax round right after "
+                                       "its batch-1 decode, median over rounds",
               "prompt_len": rounds_tj[0]["prompt_len"], "tutel_jax": tj, "tutel_jax_rounds": rounds_tj,
               "machine": machine_info()}
     if rounds_ll:

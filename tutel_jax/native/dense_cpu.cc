@@ -45,12 +45,12 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 
   // the rows as the kernel reads them: int8 (q8_rows.h) when asked for and taken, else arranged float32
   const bool q8 = int8_activations && w.takes_q8(R);
-  const int64_t ldq = tj::q8_row_bytes(K);
+  const int64_t block = tj::fp4_block(w.fmt), ldq = tj::q8_row_bytes(K, block);
   std::vector<uint8_t> xq(q8 ? R * ldq : 0);
   std::vector<float> xa(q8 ? 0 : R * K);
   for (int64_t r = 0; r < R; ++r) {
     if (q8)
-      tj::quantize_q8(x.typed_data() + r * K, K, xq.data() + r * ldq);
+      tj::quantize_q8(x.typed_data() + r * K, K, block, xq.data() + r * ldq);
     else
       tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
   }

@@ -114,7 +114,8 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       used[slot[e]].rows.push_back({s, en[a], de[a]});
     }
   int64_t total = 0, xq_bytes = 0, aq_bytes = 0;
-  const int64_t ldq1 = tj::q8_row_bytes(M), ldq2 = tj::q8_row_bytes(I);
+  const int64_t block1 = tj::fp4_block(w1[0].fmt), block2 = tj::fp4_block(w2.fmt);
+  const int64_t ldq1 = tj::q8_row_bytes(M, block1), ldq2 = tj::q8_row_bytes(I, block2);
   for (auto& u : used) {
     const int64_t rows = int64_t(u.rows.size());
     u.x_offset = total * M;
@@ -172,7 +173,7 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       const float* src = xs + row.token * M;
       for (int64_t m = 0; m < M; ++m) scaled[m] = row.enc * src[m];
       if (row.q8)
-        tj::quantize_q8(scaled.data(), M, static_cast<uint8_t*>(row.dst));
+        tj::quantize_q8(scaled.data(), M, block1, static_cast<uint8_t*>(row.dst));
       else
         tj::arrange(w1[0].fmt, scaled.data(), M, static_cast<float*>(row.dst));
     });
@@ -210,7 +211,7 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       if (bias1.present()) bias1.add_to(hr, u.e * H, H);
       glu_fn.apply(hr, act.data());
       if (u.aq_offset >= 0)
-        tj::quantize_q8(act.data(), I, aq.data() + u.aq_offset + int64_t(r) * ldq2);
+        tj::quantize_q8(act.data(), I, block2, aq.data() + u.aq_offset + int64_t(r) * ldq2);
       else
         tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
     }

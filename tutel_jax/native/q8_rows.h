@@ -4,16 +4,21 @@
 // Each E2M1 code c becomes the byte 2 * E2M1(c) + 12, an integer in [0, 24] (one 16-byte table lookup), so that
 // an unsigned x signed byte dot product of four pairs (`dot4`: AVX-512 VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw,
 // NEON sdot) multiplies it by the int8 activations q:
-//   sum_k w[k] x[k] ~= sum_b sw_b * sa_b / 2 * (sum_{k in b} (2 E2M1(c_k) + 12) q_k - 12 sum_{k in b} q_k)
-// where q = round(x / sa) per activation block of 32 (sa = max |x| / 127: llama.cpp's Q8_0), sw the weight's
-// block scale (E8M0, or NVFP4's e4m3 with its global scale). Each int32 lane's accumulator starts at its share of
-// -12 sum q (computed once per activation row), so the offset costs nothing per weight. The weights are exact; the
-// error is the activations' rounding (at most sa / 2 per element), summed in int32 exactly within a lane.
+//   sum_k w[k] x[k] ~= sum_j sw_j * sh_j * sum_{k in j} (2 E2M1(c_k) + 12) q_k  +  sum_j sw_j * o_j
+// over the weight's blocks j (32 elements for MXFP4, 16 for NVFP4), where q = round(x / sa) per activation block
+// of 32 (sa = max |x| / 127: llama.cpp's Q8_0), sh_j = sa / 2 of the activation block holding weight block j,
+// o_j = -12 sh_j sum_{k in j} q_k (the offset, per activation row), and sw_j the weight's block scale (E8M0, or
+// NVFP4's e4m3 with its global scale). Per weight row the products sw_j sh_j and the offset sum are computed once
+// per activation row (a few registers), so that each register of codes costs two lookups, two dot products and
+// one scaled accumulate per activation row, reading only the codes and the int8 activations. The weights are
+// exact; the error is the activations' rounding (at most sa / 2 per element), summed in int32 exactly within a
+// lane and block.
 //
-// Activations are quantized once per call (`quantize_q8`) in chunks of one register of packed bytes (kQBytes =
-// 4 x kNativeLanes bytes of codes, 2 kQBytes elements): the kQBytes even elements as int8, then the odd ones, then
-// each int32 lane's offset and activation scale, so that the low nibbles of a register of codes meet the even
-// elements and the high nibbles the odd ones; activation block m of a chunk is lanes 4m .. 4m+3 of both halves.
+// An activation row is quantized once per call (`quantize_q8`, for the weight's block size) into chunks of one
+// register of packed bytes (kQBytes = 4 x kNativeLanes bytes of codes, 2 kQBytes elements): the kQBytes even
+// elements as int8, then the odd ones, so that the low nibbles of a register of codes meet the even elements and
+// the high nibbles the odd ones; weight block m of a chunk is lanes m * LPB .. (m + 1) * LPB - 1 of both halves.
+// After the chunks: sh [q8_blocks] then o [q8_blocks] as floats, per weight block (zero past the row).
 
 #pragma once
 
@@ -28,25 +33,38 @@
 namespace tj {
 
 constexpr int kQElems = 2 * kQBytes;        // activation elements per chunk
-constexpr int kQChunkBytes = 4 * kQBytes;   // one chunk of a quantized row: q even, q odd, offsets, scales
+constexpr int kQChunkBytes = 2 * kQBytes;   // one chunk of a quantized row: q even, q odd
 constexpr int kQBlock = 32;                 // activation elements per int8 scale
 constexpr int kQOffset = 12;                // 2 x E2M1 + kQOffset >= 0
 static_assert(kQBytes % 16 == 0, "activation blocks are whole lanes of both halves");
 
-// Chunks of a row of K elements (the last one zero-padded), and the bytes of one quantized activation row.
-inline int64_t q8_chunks(int64_t K) { return (K + kQElems - 1) / kQElems; }
-inline int64_t q8_row_bytes(int64_t K) { return q8_chunks(K) * kQChunkBytes; }
+// Elements per block scale of an FP4 weight format.
+inline int64_t fp4_block(int fmt) { return fmt == kMxfp4 ? 32 : 16; }
 
-// x [K] -> dst [q8_row_bytes(K)]: int8 per block of 32 (round to nearest even), zero past K. A non-finite block
-// gets a NaN scale, so that the dots it enters are NaN as the float path's would be.
-inline void quantize_q8(const float* x, int64_t K, uint8_t* dst) {
-  const int64_t chunks = q8_chunks(K);
-  std::memset(dst, 0, size_t(chunks * kQChunkBytes));
+// Chunks of a row of K elements (the last one zero-padded); the per-block floats of a quantized row for weight
+// blocks of `block` elements (the chunks' blocks rounded up to whole registers, plus one register: the scaled
+// accumulate reads a register from any chunk's first block); the bytes of one quantized activation row.
+inline int64_t q8_chunks(int64_t K) { return (K + kQElems - 1) / kQElems; }
+inline int64_t q8_blocks(int64_t K, int64_t block) {
+  const int64_t used = q8_chunks(K) * (kQElems / block);
+  return (used + kNativeLanes - 1) / kNativeLanes * kNativeLanes + kNativeLanes;
+}
+inline int64_t q8_row_bytes(int64_t K, int64_t block) {
+  return q8_chunks(K) * kQChunkBytes + 2 * int64_t(sizeof(float)) * q8_blocks(K, block);
+}
+
+// x [K] -> dst [q8_row_bytes(K, block)]: int8 per activation block of 32 (round to nearest even), zero past K,
+// and sh, o per weight block of `block` (32 or 16) elements. A non-finite activation block gets a NaN scale, so
+// that the dots it enters are NaN as the float path's would be.
+inline void quantize_q8(const float* x, int64_t K, int64_t block, uint8_t* dst) {
+  const int64_t chunks = q8_chunks(K), nb = q8_blocks(K, block);
+  std::memset(dst, 0, size_t(q8_row_bytes(K, block)));
+  float* sh = reinterpret_cast<float*>(dst + chunks * kQChunkBytes);
+  float* off = sh + nb;
+  const int per = int(kQBlock / block);  // weight blocks per activation block
   for (int64_t c = 0; c < chunks; ++c) {
-    uint8_t* chunk = dst + c * kQChunkBytes;
-    int8_t* half[2] = {reinterpret_cast<int8_t*>(chunk), reinterpret_cast<int8_t*>(chunk + kQBytes)};
-    int32_t offset[kNativeLanes] = {};
-    float scale[kNativeLanes] = {};
+    int8_t* half[2] = {reinterpret_cast<int8_t*>(dst + c * kQChunkBytes),
+                       reinterpret_cast<int8_t*>(dst + c * kQChunkBytes + kQBytes)};
     for (int m = 0; m < kQElems / kQBlock; ++m) {
       const int64_t e0 = c * kQElems + m * kQBlock;
       const int n = int(std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - e0)));
@@ -58,43 +76,45 @@ inline void quantize_q8(const float* x, int64_t K, uint8_t* dst) {
         amax = std::max(amax, a);
       }
       const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int i = 0; i < n; ++i) half[i & 1][16 * m + i / 2] = int8_t(std::nearbyint(x[e0 + i] * inv));
-      for (int l = 4 * m; l < 4 * m + 4; ++l) {
-        int32_t sum = 0;
-        for (int i = 0; i < 4; ++i) sum += half[0][4 * l + i] + half[1][4 * l + i];
-        offset[l] = -kQOffset * sum;
-        scale[l] = finite ? 0.5f * (amax / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
+      const float h = finite ? 0.5f * (amax / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
+      int32_t sums[2] = {0, 0};                                 // per 16 elements
+      for (int i = 0; i < n; ++i) {
+        const int8_t q = int8_t(std::nearbyint(x[e0 + i] * inv));
+        half[i & 1][16 * m + i / 2] = q;
+        sums[i / 16] += q;
+      }
+      for (int j = 0; j < per; ++j) {
+        const int64_t b = e0 / block + j;
+        const int32_t q = per == 1 ? sums[0] + sums[1] : sums[j];
+        sh[b] = h;
+        off[b] = float(-kQOffset * q) * h;
       }
     }
-    std::memcpy(chunk + 2 * kQBytes, offset, sizeof(offset));
-    std::memcpy(chunk + 3 * kQBytes, scale, sizeof(scale));
   }
 }
 
 // 2 x E2M1(c) + kQOffset for the 16 codes.
 alignas(16) constexpr uint8_t kE2M1Q[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-// One FP4 row times R quantized activation rows (xq, stride ldq bytes): sums[r]. LPB: int32 lanes per weight
-// block (MXFP4: 16 bytes of codes, 4 lanes; NVFP4: 8 bytes, 2 lanes); row_scale: the row's block scales as
-// floats, zero-padded to whole chunks.
+// One FP4 row (`bytes` of codes) times R quantized activation rows (xq, stride ldq bytes): the scaled sums
+// without the offset into sums[r]. LPB: int32 lanes per weight block (MXFP4: 16 bytes of codes, 4 lanes; NVFP4:
+// 8 bytes, 2 lanes); prod: R arrays (stride nb) of sw_j * sh_j. overread: whether a partial last chunk may be
+// read past the row (the next row of the same weight: its activations are zero).
 template <int R, int LPB>
-inline void fp4_q8_dots(const uint8_t* codes, int64_t K, const float* row_scale, const uint8_t* xq, int64_t ldq,
-                        float* sums) {
-  const int64_t bytes = K / 2, full = bytes / kQBytes;
+inline void fp4_q8_dots(const uint8_t* codes, int64_t bytes, bool overread, const float* prod, int64_t nb,
+                        const uint8_t* xq, int64_t ldq, float* sums) {
   Native f[R];
   for (int r = 0; r < R; ++r) f[r] = Native{};
   auto step = [&](const uint8_t* p, int64_t c) TJ_INLINE_LAMBDA {
     const QNative b = load_q(p);
     const QNative lo = lookup16(kE2M1Q, b & 15), hi = lookup16(kE2M1Q, b >> 4);
-    const Native sw = spread_blocks<LPB>(row_scale + c * (kNativeLanes / LPB));
     for (int r = 0; r < R; ++r) {
       const uint8_t* chunk = xq + r * ldq + c * kQChunkBytes;
-      INative acc;
-      std::memcpy(&acc, chunk + 2 * kQBytes, sizeof(acc));
-      acc = dot4(dot4(acc, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
-      f[r] += __builtin_convertvector(acc, Native) * (sw * load(reinterpret_cast<const float*>(chunk + 3 * kQBytes)));
+      const INative acc = dot4(dot4(INative{}, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
+      f[r] += __builtin_convertvector(acc, Native) * spread_blocks<LPB>(prod + r * nb + c * (kNativeLanes / LPB));
     }
   };
+  const int64_t full = overread ? (bytes + kQBytes - 1) / kQBytes : bytes / kQBytes;
   for (int64_t c = 0; c < full; ++c) {
     prefetch_stream(codes + c * kQBytes);
     step(codes + c * kQBytes, c);
@@ -123,25 +143,36 @@ inline void row_scales(const PackedWeight& w, const float* table, int64_t n, flo
 }
 
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R <= kMaxRows rows quantized by quantize_q8
-// (xq, row stride ldq bytes).
+// for its block size (xq, row stride ldq bytes).
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
   float table[256];
   scale_table(w, table);
-  const int64_t block = w.fmt == kMxfp4 ? 32 : 16;
-  const int64_t padded = q8_chunks(w.K) * (kQElems / block) + kNativeLanes;
-  std::vector<float> scales(static_cast<size_t>(padded));
+  const int64_t nb = q8_blocks(w.K, fp4_block(w.fmt)), used = nb - kNativeLanes, bytes = w.K / 2;
+  const int64_t off = q8_chunks(w.K) * kQChunkBytes;  // the floats after a quantized row's chunks
+  std::vector<float> sw(static_cast<size_t>(nb)), prod(static_cast<size_t>(R * nb), 0.0f);
   with_row_count(R, [&](auto rows) {
     constexpr int kR = decltype(rows)::value;
     for (int64_t n = n0; n < n1; ++n) {
-      row_scales(w, table, n, scales.data(), padded);
-      float sums[kR];
-      const uint8_t* codes = w.data + n * (w.K / 2);
+      row_scales(w, table, n, sw.data(), nb);
+      float corr[kR], sums[kR];
+      for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
+        const float* sh = reinterpret_cast<const float*>(xq + r * ldq + off);
+        Native c{};
+        for (int64_t j = 0; j < used; j += kNativeLanes) {
+          const Native v = load(sw.data() + j);
+          store(prod.data() + r * nb + j, v * load(sh + j));
+          c += v * load(sh + nb + j);
+        }
+        corr[r] = reduce_add(c);
+      }
+      const uint8_t* codes = w.data + n * bytes;
+      const bool overread = n + 1 < w.N;
       if (w.fmt == kMxfp4)
-        fp4_q8_dots<kR, 4>(codes, w.K, scales.data(), xq, ldq, sums);
+        fp4_q8_dots<kR, 4>(codes, bytes, overread, prod.data(), nb, xq, ldq, sums);
       else
-        fp4_q8_dots<kR, 2>(codes, w.K, scales.data(), xq, ldq, sums);
-      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r];
+        fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xq, ldq, sums);
+      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r] + corr[r];
     }
   });
 }
