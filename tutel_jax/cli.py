@@ -8,6 +8,9 @@ from __future__ import annotations
 import sys
 
 from .cli_args import SPELLING_NOTE
+from .compile.cli import main as compile_main
+from .serving.generate_cli import main as generate
+from .serving.server import main as serve
 
 COMMANDS = {
     "serve": "OpenAI-compatible HTTP server for a checkpoint (continuous batching, streaming)",
@@ -43,13 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     try:
         if command == "serve":
-            from .serving.server import main as serve
             return serve(rest) or 0
         if command == "generate":
-            from .serving.generate_cli import main as generate
             return generate(rest) or 0
         if command == "compile":
-            from .compile.cli import main as compile_main
             return compile_main(rest)
     except KeyboardInterrupt:
         return 130

@@ -218,12 +218,11 @@ class TextCodec:
         return self._tok
 
     def _set_tokenizer(self, tok: Any) -> None:
-        from tokenizers import Tokenizer
         specials = {i: t for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self._special_ids = frozenset(specials)
         self._special_texts = tuple(t.content for t in specials.values())
         self._normalized_specials = any(t.normalized for t in specials.values())
-        plain = Tokenizer.from_str(tok.to_str())
+        plain = type(tok).from_str(tok.to_str())  # a `tokenizers.Tokenizer` (the class of `tok`)
         plain.encode_special_tokens = True  # special tokens' text is encoded as text
         self._tok, self._plain = tok, plain
 
