@@ -62,27 +62,6 @@ TJ_INLINE void add_scaled(float* o, float p, const T* row, int64_t Dv) {
   for (; d < Dv; ++d) o[d] += p * to_float(row[d]);
 }
 
-// exp of each lane (Cephes' single-precision polynomial after a split into 2^n e^r, |r| <= ln2 / 2: within 1.01
-// ulp of exp over [-87, 0]), 0 below -87 (where expf's result is no longer a normal float: XLA:CPU flushes those
-// to 0 as well).
-// The softmax's exponentials otherwise cost more than its dot products.
-TJ_INLINE tj::Native exp_lanes(tj::Native x) {
-  typedef int32_t SNative __attribute__((vector_size(sizeof(tj::Native))));
-  const SNative keep = x >= tj::splat(-87.0f);
-  x = (tj::Native)tj::select((tj::UNative)keep, (tj::UNative)x, (tj::UNative)tj::splat(-87.0f));
-  const tj::Native n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const tj::Native r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  tj::Native p = tj::splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const tj::UNative scaled = (tj::UNative)p + ((tj::UNative)__builtin_convertvector(n, SNative) << 23);
-  return (tj::Native)(scaled & (tj::UNative)keep);
-}
-
 // One (row b, kv head g): write the new key and value, then every query head of the group attends.
 template <typename T>
 void group_step(const Step& a, const T* k_new, const T* v_new, T* K, T* V, int64_t item,
@@ -116,7 +95,7 @@ void group_step(const Step& a, const T* k_new, const T* v_new, T* K, T* V, int64
     const int64_t n = hi - lo, full = n / tj::kNativeLanes * tj::kNativeLanes;
     tj::Native sum = tj::Native{};
     for (int64_t i = 0; i < full; i += tj::kNativeLanes) {
-      const tj::Native e = exp_lanes(tj::load(scores.data() + i) - top);
+      const tj::Native e = tj::exp_lanes(tj::load(scores.data() + i) - top);
       tj::store(scores.data() + i, e);
       sum += e;
     }
@@ -124,11 +103,11 @@ void group_step(const Step& a, const T* k_new, const T* v_new, T* K, T* V, int64
     if (full < n) {  // the last slots: one register with its unused lanes left out
       alignas(64) float tail[tj::kNativeLanes] = {};
       std::copy(scores.begin() + full, scores.end(), tail);
-      const tj::Native e = exp_lanes(tj::load(tail) - top);
+      const tj::Native e = tj::exp_lanes(tj::load(tail) - top);
       tj::store(tail, e);
       for (int64_t i = full; i < n; ++i) total += (scores[i] = tail[i - full]);
     }
-    if (a.sinks) total += exp_lanes(tj::splat(sink - top))[0];
+    if (a.sinks) total += tj::exp_lanes(tj::splat(sink - top))[0];
     float* oh = a.o + (b * a.Hq + h) * a.Dv;
     std::fill(oh, oh + a.Dv, 0.0f);
     for (int64_t s = lo; s < hi; ++s) {

@@ -48,18 +48,44 @@ struct Glu {
   float alpha, limit;
   int64_t hidden;
 
-  // a [I] from h [2I]
+  // a [I] from h [2I], a register of outputs at a time (sigmoids by `sigmoid_lanes`), the last ones one at a time
   void apply(const float* h, float* a) const {
-    const int64_t I = hidden;
-    if (kind == 0) {
-      for (int64_t i = 0; i < I; ++i) a[i] = h[i] / (1.0f + std::exp(-h[i])) * h[I + i];
-      return;
+    const int64_t I = hidden, full = I / tj::kNativeLanes * tj::kNativeLanes;
+    for (int64_t i = 0; i < full; i += tj::kNativeLanes) tj::store(a + i, lanes(h, i));
+    if (full < I) {
+      alignas(64) float part[2 * tj::kNativeLanes] = {}, out[tj::kNativeLanes];
+      if (kind == 0) {
+        std::copy(h + full, h + I, part);
+        std::copy(h + I + full, h + 2 * I, part + tj::kNativeLanes);
+      } else {
+        std::copy(h + 2 * full, h + 2 * I, part);
+      }
+      tj::store(out, kind == 0 ? swiglu(tj::load(part), tj::load(part + tj::kNativeLanes)) : gpt_oss(part));
+      std::copy(out, out + (I - full), a + full);
     }
-    for (int64_t i = 0; i < I; ++i) {
-      const float gate = std::min(h[2 * i], limit);
-      const float up = std::min(std::max(h[2 * i + 1], -limit), limit);
-      a[i] = (up + 1.0f) * (gate / (1.0f + std::exp(-gate * alpha)));
+  }
+
+ private:
+  tj::Native lanes(const float* h, int64_t i) const {
+    return kind == 0 ? swiglu(tj::load(h + i), tj::load(h + hidden + i)) : gpt_oss(h + 2 * i);
+  }
+
+  // silu(gate) * up
+  static tj::Native swiglu(tj::Native gate, tj::Native up) { return gate * tj::sigmoid_lanes(gate) * up; }
+
+  // interleaved pairs at p: gate = min(even, limit), up = clip(odd, -limit, limit),
+  // (up + 1) * gate * sigmoid(alpha * gate) (NaN kept as std::min / std::max keep it)
+  tj::Native gpt_oss(const float* p) const {
+    tj::Native gate, up;
+    for (int l = 0; l < tj::kNativeLanes; ++l) {
+      gate[l] = p[2 * l];
+      up[l] = p[2 * l + 1];
     }
+    const tj::Native lim = tj::splat(limit), neg = tj::splat(-limit);
+    gate = (tj::Native)tj::select((tj::UNative)(lim < gate), (tj::UNative)lim, (tj::UNative)gate);
+    up = (tj::Native)tj::select((tj::UNative)(up < neg), (tj::UNative)neg, (tj::UNative)up);
+    up = (tj::Native)tj::select((tj::UNative)(lim < up), (tj::UNative)lim, (tj::UNative)up);
+    return (up + 1.0f) * (gate * tj::sigmoid_lanes(gate * alpha));
   }
 };
 

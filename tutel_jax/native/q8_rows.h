@@ -55,39 +55,56 @@ inline int64_t q8_row_bytes(int64_t K, int64_t block) {
 
 // x [K] -> dst [q8_row_bytes(K, block)]: int8 per activation block of 32 (round to nearest even), zero past K,
 // and sh, o per weight block of `block` (32 or 16) elements. A non-finite activation block gets a NaN scale, so
-// that the dots it enters are NaN as the float path's would be.
+// that the dots it enters are NaN as the float path's would be. Registers of 32 elements at a time.
 inline void quantize_q8(const float* x, int64_t K, int64_t block, uint8_t* dst) {
+  constexpr int kVecs = kQBlock / kNativeLanes;  // registers per activation block
+  static_assert(kQBlock % kNativeLanes == 0, "whole registers per activation block");
   const int64_t chunks = q8_chunks(K), nb = q8_blocks(K, block);
   std::memset(dst, 0, size_t(q8_row_bytes(K, block)));
   float* sh = reinterpret_cast<float*>(dst + chunks * kQChunkBytes);
   float* off = sh + nb;
   const int per = int(kQBlock / block);  // weight blocks per activation block
+  alignas(64) float v[kQBlock];
   for (int64_t c = 0; c < chunks; ++c) {
     int8_t* half[2] = {reinterpret_cast<int8_t*>(dst + c * kQChunkBytes),
                        reinterpret_cast<int8_t*>(dst + c * kQChunkBytes + kQBytes)};
     for (int m = 0; m < kQElems / kQBlock; ++m) {
       const int64_t e0 = c * kQElems + m * kQBlock;
       const int n = int(std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - e0)));
-      float amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < n; ++i) {
-        const float a = std::fabs(x[e0 + i]);
-        finite = finite && std::isfinite(a);
-        amax = std::max(amax, a);
+      if (n == 0) continue;  // past the row: zeros
+      std::fill(v + n, v + kQBlock, 0.0f);
+      std::copy(x + e0, x + e0 + n, v);
+      UNative bad{}, amax{};  // |x| as bits: ordered as the magnitudes are
+      for (int i = 0; i < kVecs; ++i) {
+        const UNative a = (UNative)load(v + i * kNativeLanes) & 0x7FFFFFFFu;
+        bad |= (UNative)(a > splat_u(0x7F7FFFFFu));  // inf or NaN
+        amax = select((UNative)(a > amax), a, amax);
       }
-      const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-      const float h = finite ? 0.5f * (amax / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
-      int32_t sums[2] = {0, 0};                                 // per 16 elements
-      for (int i = 0; i < n; ++i) {
-        const int8_t q = int8_t(std::nearbyint(x[e0 + i] * inv));
-        half[i & 1][16 * m + i / 2] = q;
-        sums[i / 16] += q;
+      for (int w = kNativeLanes / 2; w > 0; w /= 2)  // halving: lanes 0 .. w-1 take the larger of l and l + w
+        for (int l = 0; l < w; ++l) {
+          amax[l] = std::max(amax[l], amax[l + w]);
+          bad[l] |= bad[l + w];
+        }
+      const float peak = bits_to_float(amax[0]);
+      const bool finite = bad[0] == 0;
+      const float inv = finite && peak > 0.0f ? 127.0f / peak : 0.0f;
+      const float h = finite ? 0.5f * (peak / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
+      int8_t q[kQBlock];
+      for (int i = 0; i < kVecs; ++i) {
+        typedef int8_t QLanes __attribute__((vector_size(kNativeLanes)));
+        const QLanes qi = __builtin_convertvector(round_even(load(v + i * kNativeLanes) * inv), QLanes);
+        std::memcpy(q + i * kNativeLanes, &qi, sizeof(qi));
       }
+      int32_t sums[2] = {0, 0};  // per 16 elements
+      for (int j = 0; j < kQBlock / 2; ++j) {
+        half[0][16 * m + j] = q[2 * j];
+        half[1][16 * m + j] = q[2 * j + 1];
+      }
+      for (int i = 0; i < kQBlock; ++i) sums[i / 16] += q[i];
       for (int j = 0; j < per; ++j) {
         const int64_t b = e0 / block + j;
-        const int32_t q = per == 1 ? sums[0] + sums[1] : sums[j];
         sh[b] = h;
-        off[b] = float(-kQOffset * q) * h;
+        off[b] = float(-kQOffset * (per == 1 ? sums[0] + sums[1] : sums[j])) * h;
       }
     }
   }

@@ -152,6 +152,53 @@ template <>
 TJ_INLINE float reduce_add<Native>(Native v) { return _mm512_reduce_add_ps(v); }
 #endif
 
+// exp of each lane (Cephes' single-precision polynomial after a split into 2^n e^r, |r| <= ln2 / 2: within 1.01
+// ulp of exp over [-87, 0]) for x <= 0, and 0 below -87 (where expf's result is no longer a normal float: XLA:CPU
+// flushes those to 0 as well). A softmax's exponentials and a GLU's sigmoids otherwise cost more than the
+// products around them.
+TJ_INLINE Native exp_lanes(Native x) {
+  typedef int32_t SNative __attribute__((vector_size(sizeof(Native))));
+  const SNative keep = x >= splat(-87.0f);
+  x = (Native)select((UNative)keep, (UNative)x, (UNative)splat(-87.0f));
+  const Native n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const Native r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Native p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const UNative scaled = (UNative)p + ((UNative)__builtin_convertvector(n, SNative) << 23);
+  return (Native)(scaled & (UNative)keep);
+}
+
+// Each lane rounded to the nearest integer, ties to even (the default rounding mode's nearbyint).
+TJ_INLINE Native round_even(Native v) {
+#if defined(TJ_ISA_AVX512)
+  return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(TJ_ISA_AVX2)
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(TJ_ISA_NEON)
+  return vrndnq_f32(v);
+#else
+  Native r;
+  for (int l = 0; l < kNativeLanes; ++l) r[l] = __builtin_nearbyintf(v[l]);
+  return r;
+#endif
+}
+
+// 1 / (1 + exp(-z)) of each lane, from e = exp(-|z|) (exp_lanes' domain): 1 / (1 + e) for z >= 0, e / (1 + e)
+// below (|z| > 87: exactly 1 or 0). NaN stays NaN.
+TJ_INLINE Native sigmoid_lanes(Native z) {
+  const UNative magnitude = (UNative)z & 0x7FFFFFFFu;
+  const Native e = exp_lanes(-(Native)magnitude);
+  const Native inv = 1.0f / (1.0f + e);
+  const UNative nonneg = (UNative)(z >= splat(0.0f));
+  const Native s = (Native)select(nonneg, (UNative)inv, (UNative)(e * inv));
+  return (Native)select((UNative)(z == z), (UNative)s, (UNative)z);
+}
+
 constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 // The E2M1 value of the low 4 bits of each lane (the bits above are ignored), exactly kE2M1[bits & 15].
