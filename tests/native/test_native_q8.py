@@ -7,8 +7,8 @@ References:
   1e-5 of the output's scale (the integer dots are exact; only float32 scaling and summation round).
 - the exact float64 product, for the error the quantization itself costs (bounds below; the real-size figure is
   stated in `native.moe_experts`).
-Checked for one row up to the register pass's 8 (4 on AVX2), the wide (128) and narrow chunk tails of K, and the
-fallback: more rows per expert than one register pass take float32 activations, bit for bit the float path.
+Checked for one row up to the register pass's 8 (4 on AVX2) and more (a prefill's rows go a register pass at a
+time), and the wide (128) and narrow chunk tails of K.
 """
 
 from __future__ import annotations
@@ -74,23 +74,15 @@ def _check_dense_q8(fmt: str, seed: int = 0) -> None:
     for k in KS[fmt]:
         w, w_ref = random_weight(rng, (200, k), fmt)  # several 64-row output blocks, the last one partial
         b = rng.normal(size=(200,)).astype(np.float32)
-        for rows in (1, 2, 3, 4, 8):
+        for rows in (1, 2, 3, 4, 8, 13):  # 13: register passes of 8 (4 on AVX2) and a partial one
             x = rng.normal(size=(rows, k)).astype(np.float32)
             x[:, :32] *= 40.0  # one block of outliers: per-block scales keep the others exact
             got = np.asarray(jax.jit(lambda x, w, b: dense(x, w, b, activations="int8"))(x, w, b))
             exact = x.astype(np.float64) @ w_ref.T + b
-            if rows > build_max_rows():  # more rows than a register pass: float32 activations, as 'float32'
-                np.testing.assert_array_equal(got, np.asarray(jax.jit(dense)(x, w, b)))
-                continue
             mirror = q8_reference(x) @ w_ref.T + b
             assert _scaled_error(got, mirror)[0] < 1e-5, (fmt, k, rows)
             worst, rms = _scaled_error(got, exact)
             assert worst < DENSE_QUANT_ERROR[0] and rms < DENSE_QUANT_ERROR[1], (fmt, k, rows, worst, rms)
-
-
-def build_max_rows() -> int:
-    """Rows per register pass of the built kernels: 8 with AVX-512 and NEON, 4 with AVX2 and portable C++."""
-    return 8 if build.isa() in ("avx512", "neon") else 4
 
 
 def _moe_case(fmt: str, tokens: int, glu: str, seed: int = 0):
@@ -137,6 +129,7 @@ def check_q8_kernels() -> None:
 
 def _check_moe_q8(fmt: str, glu: str) -> None:
     for tokens in (1, 5, 40):  # one row per expert, a few, and more than a register pass for some experts
+        # (every count takes the int8 path)
         args, kwargs, (w1_ref, w2_ref) = _moe_case(fmt, tokens, glu)
         got = np.asarray(jax.jit(lambda *a: moe_experts(*a, activations="int8", **kwargs))(*args))
         x, ids, enc, dec = args[:4]
@@ -205,12 +198,12 @@ def test_auto_picks_int8_for_fp4_experts_on_cpu():
 @pytest.mark.parametrize("case", ["gpt_oss_mxfp4", "qwen3_moe_nvfp4"])
 def test_fixture_models_int8_greedy_tokens_follow_float(case):
     """The FP4 fixture models with int8 activations (the default on CPU) against float32 ones, 12 greedy steps of
-    two rows. The first step's logits (same inputs, no history) agree within LOGIT_ERROR of their rms; the
-    first two tokens of every row are equal; and a row's first different token is at a near tie: the float
-    path's top two logits within twice the paths' logit difference at that step. These tiny random-weight
-    models have flat distributions (top-two margins of a few hundredths) and near-tied routers, so after a
-    first difference the rows go apart; which steps differ is printed (measured: gpt_oss_mxfp4 rows 0, 1 at
-    steps 11, 2; qwen3_moe_nvfp4 row 1 at step 2, row 0 all 12 equal)."""
+    two rows. The first step's logits (same inputs, no history) agree within LOGIT_ERROR of their rms, and a
+    row's first different token is at a near tie: the float path's top two logits within twice the paths' logit
+    difference at that step. These tiny random-weight models have flat distributions (top-two margins of a few
+    hundredths) and near-tied routers, so after a first difference the rows go apart; which steps differ is
+    printed (measured: gpt_oss_mxfp4 rows 0, 1 at steps 11, 2; qwen3_moe_nvfp4 rows 0, 1 at steps 0, 2: row 0's
+    first token is a tie of 0.015 against a logit difference of 0.091, the prefill's activations being int8 too)."""
     e = dict(np.load(HF / case / "expected.npz"))
     int8 = from_pretrained(HF / case)  # auto: native_int8 experts and dense FP4 projections
     exact = from_pretrained(HF / case, dropless_impl="native", dense_impl="native")
@@ -221,7 +214,6 @@ def test_fixture_models_int8_greedy_tokens_follow_float(case):
     la, lb = np.asarray(a.logits, np.float64), np.asarray(b.logits, np.float64)
     diff = np.abs(la - lb).max(axis=-1)  # [B, steps]
     assert np.all(diff[:, 0] <= LOGIT_ERROR * np.sqrt(np.mean(lb[:, 0] ** 2, axis=-1))), diff[:, 0]
-    np.testing.assert_array_equal(a.sequences[:, :prompt + 2], b.sequences[:, :prompt + 2])
     for row in range(a.sequences.shape[0]):
         new_a, new_b = a.sequences[row, prompt:], b.sequences[row, prompt:]
         differ = np.flatnonzero(new_a != new_b)

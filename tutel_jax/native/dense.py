@@ -55,8 +55,7 @@ def worth_it(x: jax.Array, w: Any) -> bool:
 def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, activations: str = "float32",
           max_workers: int | None = None) -> jax.Array:
     """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N], float rows [N, K] (`rows`) or a
-    packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight and a few rows (see
-    `moe.moe_experts`)."""
+    packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
     workers = check_max_workers(max_workers, "dense")
     int8 = check_activations(activations, "dense")
     shape = quant_weights.logical_shape(w)

@@ -8,8 +8,8 @@
 // float32 in memory before its matmul). Work over XLA's intra-op thread pool: rows by blocks of outputs; a
 // [K, N] kernel whose [R, N] output fits in L2 by blocks of its input rows (each block a contiguous stretch of
 // memory, summed into its own partial output, the partials added up in block order), a wider one by blocks of
-// 2048 columns (4 KB of each bfloat16 row). With `int8_activations`, a few rows times an FP4 weight take the int8
-// path (q8_rows.h).
+// 2048 columns (4 KB of each bfloat16 row). With `int8_activations`, rows times an FP4 weight take the int8 path
+// (q8_rows.h).
 
 #include <cstdint>
 #include <cstring>

@@ -59,8 +59,8 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
         ones are read as they are, only the used experts' rows).
       glu: 'swiglu' (h = [gate | up] halves: silu(gate) * up) or 'gpt_oss' (h interleaved, gate = even and up =
         odd columns: `experts_glu.gpt_oss_glu` with alpha and limit).
-      activations: 'float32', or 'int8': the activations of an MXFP4 / NVFP4 weight's matmuls, for experts that
-        received up to 8 rows (4 on AVX2 and portable builds), quantized to int8 per block of 32 (scale max|x| /
+      activations: 'float32', or 'int8': the activations of an MXFP4 / NVFP4 weight's matmuls, whatever the
+        rows per expert (a prefill's too, a register pass of rows at a time), quantized to int8 per block of 32 (scale max|x| /
         127, llama.cpp's Q8_0) and multiplied in integer dot products (AVX-512 VNNI / AVX-VNNI where present):
         about 1e-2 of the output's rms on gpt-oss-20b's layer against float64 (README, "int8 activations";
         tests/native/test_native_q8.py).

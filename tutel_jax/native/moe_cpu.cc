@@ -11,7 +11,7 @@
 // [E, in, out] or packed [E, out, in] (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32 or bfloat16 (read as
 // they are: only the used experts' rows), or empty.
 // With `int8_activations`, an FP4 weight's (MXFP4, NVFP4) activation rows are quantized to int8 per block of 32
-// for experts that received a few rows (q8_rows.h: integer dot products, llama.cpp's Q8_0 activations).
+// (q8_rows.h: integer dot products, llama.cpp's Q8_0 activations), however many rows an expert received.
 // An assignment whose expert id is outside [0, E) (another device's expert) or whose enc or dec is 0 (dropped)
 // costs nothing. Only the experts that received tokens are read, each weight byte once per call (decode: up to
 // 8 rows per register pass; more rows re-read a 64-row block from cache).

@@ -159,10 +159,16 @@ inline void row_scales(const PackedWeight& w, const float* table, int64_t n, flo
   std::fill(dst + count, dst + padded, 0.0f);
 }
 
-// out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R <= kMaxRows rows quantized by quantize_q8
-// for its block size (xq, row stride ldq bytes).
+// out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R rows quantized by quantize_q8 for its block
+// size (xq, row stride ldq bytes). More rows than a register pass (a prefill) go kMaxRows at a time over the same
+// weight rows, which the first pass leaves in cache (a work item's rows: 64 x K/2 bytes).
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
+  if (R > kMaxRows) {
+    for (int r0 = 0; r0 < R; r0 += kMaxRows)
+      fp4_q8_rows(w, xq + r0 * ldq, std::min(kMaxRows, R - r0), ldq, n0, n1, out + r0 * ldo, ldo);
+    return;
+  }
   float table[256];
   scale_table(w, table);
   const int64_t nb = q8_blocks(w.K, fp4_block(w.fmt)), used = nb - kNativeLanes, bytes = w.K / 2;
@@ -171,6 +177,10 @@ inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t
   with_row_count(R, [&](auto rows) {
     constexpr int kR = decltype(rows)::value;
     for (int64_t n = n0; n < n1; ++n) {
+      // the block scales are a second, thinner stream (K/32 or K/16 bytes a row): asked for 8 rows ahead
+      const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * w.scales_per_row();
+      __builtin_prefetch(ahead, 0, 3);
+      __builtin_prefetch(ahead + 64, 0, 3);
       row_scales(w, table, n, sw.data(), nb);
       float corr[kR], sums[kR];
       for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j

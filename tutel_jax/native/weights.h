@@ -63,9 +63,10 @@ struct Weight {
     return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
   }
 
-  // Whether R activation rows take the int8 path (`quantize_q8`, q8_rows.h) when it is asked for: FP4 weights,
-  // a few rows (one register pass); more rows, and other formats, multiply float32 activations.
-  bool takes_q8(int64_t R) const { return is_fp4(fmt) && R <= kMaxRows; }
+  // Whether activation rows take the int8 path (`quantize_q8`, q8_rows.h) when it is asked for: FP4 weights, any
+  // number of rows (a prefill's too: integer dot products do four times a float FMA's work per instruction);
+  // other formats multiply float32 activations.
+  bool takes_q8(int64_t /*R*/) const { return is_fp4(fmt); }
 
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
   // (row stride ldq bytes) the same rows quantized by quantize_q8 when takes_q8(R) and the int8 path is asked

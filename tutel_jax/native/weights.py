@@ -37,7 +37,7 @@ FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
 FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = fp8_block.NATIVE_ID, mxfp4.NATIVE_ID, nvfp4.NATIVE_ID, nvfp4.NATIVE_ID_MULTIPLIES
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MAX_WORKERS = 1 << 30
-#: how activations enter the FP4 (MXFP4, NVFP4) matmuls of a few rows: 'float32' (exact products, float32
+#: how activations enter the FP4 (MXFP4, NVFP4) matmuls: 'float32' (exact products, float32
 #: sums) or 'int8' (quantized per block of 32 to int8 with a float32 scale, integer dot products: q8_rows.h)
 ACTIVATIONS = ("float32", "int8")
 
