@@ -1,7 +1,7 @@
 """The native MoE kernel on every instruction set this CPU runs, side by side: gpt-oss-20b's MoE layer (E=32,
 k=4, M=I=2880, MXFP4 experts, GPT-OSS GLU; one `native.moe_experts` call) at 1, 8 and 512 tokens, with int8
-activations (the models' default on CPU: `activations='int8'`, experts of up to a register pass of rows) and
-float32 ones.
+activations (the models' default on CPU: `activations='int8'`, a register pass of rows at a time) and float32
+ones.
 
     python benchmarks/native_isa.py [--rounds 3]     # writes benchmarks/results/native_isa.{json,md}
     python benchmarks/native_isa.py --quick          # the CI smoke test: a small layer, one round
@@ -12,7 +12,8 @@ intra-op pool on every usable CPU) and the same random packed weights. A child r
 of its repetitions; the report gives the medians over rounds. GB/s = the used experts' packed bytes (codes and
 scales) / seconds; GFLOP/s = 2 k tokens (2IM + IM) / seconds. Ratios are against the best path: the best ISA of
 the CPU with int8 activations, in GB/s up to 8 tokens and in GFLOP/s beyond. At 512 tokens every expert has more
-rows than a register pass, so both activations run the float32 many-row kernel.
+rows than a register pass: int8 activations go a register pass at a time over cached weight rows, float32 ones
+run the many-row kernel (weight rows decoded to float32 tiles).
 """
 
 from __future__ import annotations
