@@ -26,12 +26,10 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-import triton  # this script runs in the pinned triton's own environment (compile.py)
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import compile as triton_compile
-
 
 def _cuda_resources(cubin: bytes) -> dict:
+    import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -55,6 +53,9 @@ def _amd_resources(amdgcn: str) -> dict:
 
 
 def compile_job(job: dict) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import compile as triton_compile
+
     target = GPUTarget(job["backend"], job["arch"], job["warp_size"])
     kernel = triton_compile(job["ttir_path"], target=target,
                             options=dict(num_warps=job["num_warps"], num_stages=job["num_stages"], num_ctas=1))
