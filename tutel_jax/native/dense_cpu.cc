@@ -44,7 +44,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   if (R == 0 || N == 0) return ffi::Error::Success();
 
   // the rows as the kernel reads them: int8 (q8_rows.h) when asked for and taken, else arranged float32
-  const bool q8 = int8_activations && w.takes_q8(R);
+  const bool q8 = int8_activations && w.takes_q8();
   const int64_t block = tj::fp4_block(w.fmt), ldq = tj::q8_row_bytes(K, block);
   std::vector<uint8_t> xq(q8 ? R * ldq : 0);
   std::vector<float> xa(q8 ? 0 : R * K);

@@ -148,11 +148,11 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     u.h_offset = total * H;
     u.a_offset = total * I;
     total += rows;
-    if (int8_activations && w1[0].takes_q8(rows)) {
+    if (int8_activations && w1[0].takes_q8()) {
       u.xq_offset = xq_bytes;
       xq_bytes += rows * ldq1;
     }
-    if (int8_activations && w2.takes_q8(rows)) {
+    if (int8_activations && w2.takes_q8()) {
       u.aq_offset = aq_bytes;
       aq_bytes += rows * ldq2;
     }

@@ -43,6 +43,9 @@ inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
 inline bool is_packed(int fmt) { return fmt == kFp8Block || is_fp4(fmt); }
 inline bool is_rows(int fmt) { return is_packed(fmt) || fmt == kFloat32Rows || fmt == kBFloat16Rows; }
 
+// Elements per block scale of an FP4 format (MXFP4 32, NVFP4 16).
+inline int64_t fp4_block(int fmt) { return fmt == kMxfp4 ? 32 : 16; }
+
 constexpr int kChunk = 32;      // elements per decoded chunk (kChunkVectors registers)
 constexpr int kFp8Tile = 128;   // FP8 scale block (both axes)
 
@@ -68,7 +71,7 @@ struct PackedWeight {
   const uint8_t* scale = nullptr;  // [N, K/32] E8M0, [N, K/16] e4m3, or float32 [ceil(N/128), ceil(K/128)]
   float global = 1.0f;             // NVFP4's global scale
 
-  int64_t scales_per_row() const { return fmt == kMxfp4 ? K / 32 : K / 16; }
+  int64_t scales_per_row() const { return K / fp4_block(fmt); }
 };
 
 // The float scale of each scale code: E8M0 2^(s-127), or NVFP4's f32(e4m3 s) / global (the reference's order:
@@ -91,7 +94,7 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
   }
   const uint8_t byte = w.data[n * (w.K / 2) + k / 2];
   const int code = (k & 1) ? byte >> 4 : byte & 15;
-  const int block = w.fmt == kMxfp4 ? 32 : 16;
+  const int64_t block = fp4_block(w.fmt);
   return kE2M1[code] * table[w.scale[n * w.scales_per_row() + k / block]];
 }
 

@@ -38,9 +38,6 @@ constexpr int kQBlock = 32;                 // activation elements per int8 scal
 constexpr int kQOffset = 12;                // 2 x E2M1 + kQOffset >= 0
 static_assert(kQBytes % 16 == 0, "activation blocks are whole lanes of both halves");
 
-// Elements per block scale of an FP4 weight format.
-inline int64_t fp4_block(int fmt) { return fmt == kMxfp4 ? 32 : 16; }
-
 // Chunks of a row of K elements (the last one zero-padded); the per-block floats of a quantized row for weight
 // blocks of `block` elements (the chunks' blocks rounded up to whole registers, plus one register: the scaled
 // accumulate reads a register from any chunk's first block); the bytes of one quantized activation row.
@@ -164,44 +161,43 @@ inline void row_scales(const PackedWeight& w, const float* table, int64_t n, flo
 // weight rows, which the first pass leaves in cache (a work item's rows: 64 x K/2 bytes).
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
-  if (R > kMaxRows) {
-    for (int r0 = 0; r0 < R; r0 += kMaxRows)
-      fp4_q8_rows(w, xq + r0 * ldq, std::min(kMaxRows, R - r0), ldq, n0, n1, out + r0 * ldo, ldo);
-    return;
-  }
   float table[256];
   scale_table(w, table);
   const int64_t nb = q8_blocks(w.K, fp4_block(w.fmt)), used = nb - kNativeLanes, bytes = w.K / 2;
   const int64_t off = q8_chunks(w.K) * kQChunkBytes;  // the floats after a quantized row's chunks
-  std::vector<float> sw(static_cast<size_t>(nb)), prod(static_cast<size_t>(R * nb), 0.0f);
-  with_row_count(R, [&](auto rows) {
-    constexpr int kR = decltype(rows)::value;
-    for (int64_t n = n0; n < n1; ++n) {
-      // the block scales are a second, thinner stream (K/32 or K/16 bytes a row): asked for 8 rows ahead
-      const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * w.scales_per_row();
-      __builtin_prefetch(ahead, 0, 3);
-      __builtin_prefetch(ahead + 64, 0, 3);
-      row_scales(w, table, n, sw.data(), nb);
-      float corr[kR], sums[kR];
-      for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
-        const float* sh = reinterpret_cast<const float*>(xq + r * ldq + off);
-        Native c{};
-        for (int64_t j = 0; j < used; j += kNativeLanes) {
-          const Native v = load(sw.data() + j);
-          store(prod.data() + r * nb + j, v * load(sh + j));
-          c += v * load(sh + nb + j);
+  std::vector<float> sw(static_cast<size_t>(nb)), prod(static_cast<size_t>(kMaxRows * nb), 0.0f);
+  for (int r0 = 0; r0 < R; r0 += kMaxRows) {  // a register pass of activation rows at a time
+    const uint8_t* xp = xq + r0 * ldq;
+    float* op = out + r0 * ldo;
+    with_row_count(std::min(kMaxRows, R - r0), [&](auto rows) {
+      constexpr int kR = decltype(rows)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        // the block scales are a second, thinner stream (K/32 or K/16 bytes a row): asked for 8 rows ahead
+        const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * w.scales_per_row();
+        __builtin_prefetch(ahead, 0, 3);
+        __builtin_prefetch(ahead + 64, 0, 3);
+        row_scales(w, table, n, sw.data(), nb);
+        float corr[kR], sums[kR];
+        for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
+          const float* sh = reinterpret_cast<const float*>(xp + r * ldq + off);
+          Native c{};
+          for (int64_t j = 0; j < used; j += kNativeLanes) {
+            const Native v = load(sw.data() + j);
+            store(prod.data() + r * nb + j, v * load(sh + j));
+            c += v * load(sh + nb + j);
+          }
+          corr[r] = reduce_add(c);
         }
-        corr[r] = reduce_add(c);
+        const uint8_t* codes = w.data + n * bytes;
+        const bool overread = n + 1 < w.N;
+        if (w.fmt == kMxfp4)
+          fp4_q8_dots<kR, 4>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
+        else
+          fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
+        for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r] + corr[r];
       }
-      const uint8_t* codes = w.data + n * bytes;
-      const bool overread = n + 1 < w.N;
-      if (w.fmt == kMxfp4)
-        fp4_q8_dots<kR, 4>(codes, bytes, overread, prod.data(), nb, xq, ldq, sums);
-      else
-        fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xq, ldq, sums);
-      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r] + corr[r];
-    }
-  });
+    });
+  }
 }
 
 }  // namespace tj

@@ -66,14 +66,14 @@ struct Weight {
   // Whether activation rows take the int8 path (`quantize_q8`, q8_rows.h) when it is asked for: FP4 weights, any
   // number of rows (a prefill's too: integer dot products do four times a float FMA's work per instruction);
   // other formats multiply float32 activations.
-  bool takes_q8(int64_t /*R*/) const { return is_fp4(fmt); }
+  bool takes_q8() const { return is_fp4(fmt); }
 
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
-  // (row stride ldq bytes) the same rows quantized by quantize_q8 when takes_q8(R) and the int8 path is asked
+  // (row stride ldq bytes) the same rows quantized by quantize_q8 when takes_q8() and the int8 path is asked
   // for, else null.
   void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo,
             const uint8_t* xq = nullptr, int64_t ldq = 0) const {
-    if (xq != nullptr && takes_q8(R)) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
+    if (xq != nullptr && takes_q8()) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
     if (is_rows(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
     kernel_part(e, x, R, ldx, 0, K, n0, n1, out, ldo);
   }
@@ -144,7 +144,7 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
     w->scale_stride = s[1] * s[2] * 4;
     return "";
   }
-  const int64_t block = fmt == kMxfp4 ? 32 : 16;
+  const int64_t block = fp4_block(fmt);
   if (w->K % block != 0) return name + ": K must be a multiple of the scale block";
   if (!byte_codes(scale.element_type()) || s.size() != 3 || s[0] != w->E || s[1] != w->N ||
       s[2] != w->K / block)
