@@ -4,7 +4,7 @@
 
 Model: x @ proj -> one MoE layer (top-2 gate, relu ffn experts, E = 8) -> mean squared error to tanh(x)
 (+ 0.01 l_aux), adam, over 8 devices; every step is on a fresh random batch. The loss reports the load ratio
-(`tutel_jax.runtime.autotune.load_ratio`), so with a capacity that follows the routing (capacity factor <= 0, dropless
+(`tutel_jax.runtime._autotune.load_ratio`), so with a capacity that follows the routing (capacity factor <= 0, dropless
 by default) the tuner arms its capacity band.
 
 1. `autotune` with the real clock over the candidates (EP 8 flat, overlap d = 2, 2DH (2x4), adaptive r = 0,
@@ -43,9 +43,9 @@ import optax  # noqa: E402
 from benchmarks.common import (LayerShape, fmt_ms, fmt_ratio, machine_info, markdown_table,  # noqa: E402
                                quick_parser, repo_root, results_path, run_and_report, time_interleaved)
 from tutel_jax import init_params  # noqa: E402
-from tutel_jax.runtime.autotune import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
-from tutel_jax.runtime.reconfigure import RuntimeConfig, batch_shardings  # noqa: E402
-from tutel_jax.runtime.training import MoETrainer  # noqa: E402
+from tutel_jax.runtime import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
+from tutel_jax.runtime import RuntimeConfig, batch_shardings  # noqa: E402
+from tutel_jax.runtime import MoETrainer  # noqa: E402
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "autotune_cpu.json"
 

@@ -7,7 +7,7 @@ inside and the analytic roofline of prefill and one decode step, compiled device
 
 Each cell compiles the serving prefill + decode programs at --batch x --seq (memory, fit, kernels) and adds the
 analytic decode roofline at batch 1 with the same --seq cached positions (the headline: a floor on one
-token's latency, `tutel_jax.compile.roofline`; nothing is compiled for it). Writes
+token's latency, `tutel_jax.compile._roofline`; nothing is compiled for it). Writes
 benchmarks/results/compile_matrix.json (one `tutel-jax compile --json` report per cell, less the per-part
 detail, or the error) and compile_matrix.md (the table, the run's scope and the published figures to compare
 with). The configs are the models' published config.json values (the keys the loader reads), written here so
@@ -106,8 +106,8 @@ TRITON_KERNELS = {"TUTEL_JAX_KERNELS": "pallas"}
 
 def _compile_cell(model: str, target: str, batch: int, seq: int, mode: str) -> dict:
     import jax.numpy as jnp
-    from tutel_jax.compile.driver import compile_model
-    from tutel_jax.compile.topology import parse_target
+    from tutel_jax.compile import compile_model
+    from tutel_jax.compile import parse_target
     report = compile_model(MODELS[model], parse_target(target), batch, seq, mode, jnp.bfloat16,
                            decode_batches=(HEADLINE_BATCH,) if mode == "serve" else ())
     for p in report["programs"]:
@@ -220,7 +220,7 @@ def _markdown(cells: list[dict], run: dict) -> str:
            f"{len(cells)} cells in {run['wall_seconds'] / 60:.1f} min of wall time.", "",
            "Figures are per device. Memory (GiB) is XLA's memory analysis of the compiled programs plus the resident "
            "weights / KV cache / optimizer state; floors and tok/s ceilings are the analytic roofline "
-           "(`tutel_jax/compile/roofline.py`: flops and HBM bytes the step cannot avoid, from the config and the "
+           "(`tutel_jax/compile/_roofline.py`: flops and HBM bytes the step cannot avoid, from the config and the "
            "weights' shapes; floor = max(flops / peak bf16, bytes / HBM bandwidth)), an upper bound on speed, "
            "not a measurement. XLA's own cost analysis is kept as a reference column: on GPU it is the host's HLO "
            "cost analysis, which gives the Triton kernels (custom calls) no flops and does not see what they read; "

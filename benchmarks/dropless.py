@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.common import (fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root, time_interleaved,
                                tune_malloc, write_json, write_text)
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.experts.dropless import bucket_capacities, bucket_index
+from tutel_jax.experts import bucket_capacities, bucket_index
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "dropless_cpu.json"
 VARIANTS = ("capacity", "ragged", "bucketed")

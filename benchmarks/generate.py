@@ -110,8 +110,8 @@ def hf_config_dict(m: ModelSize) -> dict[str, Any]:
 
 def numpy_tensors(m: ModelSize, seed: int) -> dict[str, np.ndarray]:
     """Random float32 weights under HF's Qwen3-MoE tensor names: matrices N(0, initializer_range), norms 1
-    (`tutel_jax.models.random_init`, drawn in a fixed order from one NumPy Generator(seed))."""
-    from tutel_jax.models.random_init import random_hf_tensors
+    (`tutel_jax.models._random_init`, drawn in a fixed order from one NumPy Generator(seed))."""
+    from tutel_jax.models import random_hf_tensors
 
     return random_hf_tensors(hf_config_dict(m), seed)
 
@@ -317,7 +317,7 @@ def run(s: Settings, want_hf: bool = True) -> dict[str, Any]:
 def with_dropless_impl(model: Any, impl: str) -> Any:
     """The model with every MoE layer's `dropless_impl` set to `impl`; 'native' is checked (and built) here."""
     if impl == "native":
-        from tutel_jax.experts.dropless import check_native
+        from tutel_jax.experts import check_native
         for c in model.moe_configs:
             if c is not None:
                 check_native(c.experts)
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new_tokens", type=int, default=None, help=f"new tokens (default {FULL.new_tokens})")
     parser.add_argument("--repeats", type=int, default=None, help=f"timed runs per variant (default {FULL.repeats})")
     parser.add_argument("--seed", type=int, default=0)
-    from tutel_jax.experts.dropless import IMPLS
+    from tutel_jax.experts import IMPLS
     parser.add_argument("--dropless_impl", choices=IMPLS,
                         nargs="+", default=None,
                         help=f"the MoE implementations to measure tutel-jax with (default {FULL.dropless_impls})")

@@ -387,7 +387,7 @@ def check_ragged_exchange(sz: dict[str, int], seed: int, tolerance: float, backe
     """The library's ragged dropless exchange with lax.ragged_all_to_all (GPU/TPU) == the single-device layer;
     on a CPU: lowered (forward and backward), then skipped."""
     from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
-    from tutel_jax.parallel.ragged_dropless import ragged_supported
+    from tutel_jax.parallel import ragged_supported
 
     if ragged_supported():
         return check_expert_parallel("dropless", sz, seed, tolerance, backend, dropless_exchange="ragged")
@@ -438,7 +438,7 @@ def ragged_all_to_all_on_mesh(mesh: Mesh) -> Callable:
 
 def check_ragged_all_to_all(seed: int) -> dict[str, Any]:
     """lax.ragged_all_to_all on a 1-device mesh == NumPy, exactly; on a CPU: lowered, then skipped."""
-    from tutel_jax.parallel.ragged_dropless import ragged_supported
+    from tutel_jax.parallel import ragged_supported
 
     fn = ragged_all_to_all_on_mesh(one_device_mesh())
     cases = ragged_all_to_all_cases(seed)

@@ -193,7 +193,7 @@ def _mosaic_gpu_unavailable(dry_run: bool) -> str | None:
     """Why the Mosaic GPU grouped-matmul checks cannot run here, or None (a real sm_90 / sm_100 GPU, tokamax)."""
     if dry_run or jax.default_backend() != "gpu":
         return "Mosaic GPU kernels run only on a GPU"
-    from pallas_kernels.gmm import pallas_mosaic_gpu
+    from pallas_kernels.gmm import _pallas_mosaic_gpu as pallas_mosaic_gpu
     return pallas_mosaic_gpu.mosaic_gpu_unavailable()
 
 
@@ -270,7 +270,7 @@ def run_checks(impl: str, inputs: Inputs, dry_run: bool) -> list[dict[str, Any]]
     # output (sm_90 only), held to the float32 tolerance: both sides accumulate the same exact products
     mosaic_reason = _mosaic_gpu_unavailable(dry_run)
     if mosaic_reason is None:
-        from pallas_kernels.gmm import pallas_mosaic_gpu as mosaic_gpu_gmm
+        from pallas_kernels.gmm import _pallas_mosaic_gpu as mosaic_gpu_gmm
         kdim_m, ndim_m = 256 * m, 192 * m
         lhs, rhs = inputs.normal((rows_, kdim_m), BF16), inputs.normal((groups, kdim_m, ndim_m), BF16)
         for out in (BF16, F32):

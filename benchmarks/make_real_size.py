@@ -7,7 +7,7 @@ Models (`MODELS`): `gpt-oss-20b` (GPT-OSS-20B's config: MXFP4 experts, bf16 else
 (Qwen3-30B-A3B's widths with 24 of its 48 layers, NVFP4 in the compressed-tensors layout), `deepseek-v3-layer`
 (DeepSeek-V3's widths, 1 dense + 1 MoE layer, FP8 128x128 blocks), and a `-tiny` variant of each (the same
 layout with small widths and depth, a few MB, for the smoke test). Tensor names, dtypes and shapes come from
-`tutel_jax.models.quant_layout.checkpoint_layout` (checked there against the real quantizers' fixtures); shards
+`tutel_jax.models._quant_layout.checkpoint_layout` (checked there against the real quantizers' fixtures); shards
 are `model-0000i-of-0000n.safetensors` of at most 5 GB plus `model.safetensors.index.json`, as save_pretrained
 writes them.
 
@@ -36,11 +36,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tutel_jax.checkpoint.safetensors_io import DTYPES  # noqa: E402
-from tutel_jax.checkpoint.safetensors_write import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards, shard_is_complete,
+from tutel_jax.checkpoint import DTYPES  # noqa: E402
+from tutel_jax.checkpoint import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards, shard_is_complete,
                                                     write_index, write_shard)
-from tutel_jax.models.quant_layout import checkpoint_layout  # noqa: E402
-from tutel_jax.lm.byte_tokenizer import write_tokenizer  # noqa: E402
+from tutel_jax.models import checkpoint_layout  # noqa: E402
+from tutel_jax.lm import write_tokenizer  # noqa: E402
 
 __all__ = ["MODELS", "default_cache_dir", "make_model", "model_bytes"]
 
@@ -183,7 +183,7 @@ def model_bytes(name: str) -> int:
 def make_model(name: str, cache_dir: str | os.PathLike | None = None, *, seed: int = 0,
                max_shard_bytes: int = HF_MAX_SHARD_BYTES, progress: bool = True) -> Path:
     """Writes (or completes) model `name` under `cache_dir / name` and returns that directory: config.json,
-    generation_config.json, a byte-level tokenizer (`tutel_jax.lm.byte_tokenizer`), the shards and, for several
+    generation_config.json, a byte-level tokenizer (`tutel_jax.lm._byte_tokenizer`), the shards and, for several
     shards, the index. Shards already complete are kept."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")

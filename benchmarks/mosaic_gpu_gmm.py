@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax, jax.numpy as jnp, numpy as np
 import pallas_kernels as pk
-from pallas_kernels.gmm import pallas_mosaic_gpu as mg
+from pallas_kernels.gmm import _pallas_mosaic_gpu as mg
 print(jax.__version__, jax.devices(), pk.current_target().name, "tokamax:", mg.unavailable_reason() or "ok", flush=True)
 BF = jnp.bfloat16
 

@@ -6,7 +6,7 @@ ones.
     python benchmarks/native_isa.py [--rounds 3]     # writes benchmarks/results/native_isa.{json,md}
     python benchmarks/native_isa.py --quick          # the CI smoke test: a small layer, one round
 
-Each ISA (`tutel_jax.native.build.cpu_isas()`: AVX-512, AVX2, NEON, portable) runs in its own child process with
+Each ISA (`tutel_jax.native._build.cpu_isas()`: AVX-512, AVX2, NEON, portable) runs in its own child process with
 `TUTEL_JAX_NATIVE_ISA` set, the rounds interleaved (ISA by ISA, round by round), the same threads (XLA's
 intra-op pool on every usable CPU) and the same random packed weights. A child reports, per token count, the best
 of its repetitions; the report gives the medians over rounds. GB/s = the used experts' packed bytes (codes and
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(layer, tokens, reps=3 if args.quick else 30)))
         return 0
-    from tutel_jax.native import build
+    from tutel_jax.native import _build as build
 
     rounds_n = 1 if args.quick else args.rounds
     rounds: dict[str, list[dict]] = {isa: [] for isa in build.cpu_isas()}

@@ -126,8 +126,8 @@ def copy_gbps(mib: int) -> float:
 def _truncated(model: Any, depth: int, per_layer_jit: bool | None = None) -> Any:
     """The model's first `depth` layers as a CausalLM (same arrays, nothing copied); per_layer_jit None: the
     model's."""
-    from tutel_jax.models.causal_lm import CausalLM
-    from tutel_jax.models.spec import spec_from_config
+    from tutel_jax.models import CausalLM
+    from tutel_jax.models import spec_from_config
 
     config = dict(model.config, num_hidden_layers=depth)
     if isinstance(config.get("layer_types"), list):
@@ -144,7 +144,7 @@ class Decoder:
     steps unjitted around them)."""
 
     def __init__(self, model: Any, max_len: int):
-        from tutel_jax.serving.steps import decode_step, prefill_step
+        from tutel_jax.serving import decode_step, prefill_step
 
         self.model, self.max_len = model, max_len
         self._prefill, self._step = prefill_step, decode_step
@@ -153,7 +153,7 @@ class Decoder:
     @functools.lru_cache(maxsize=None)
     def _greedy(batch: int) -> Any:
         """Greedy sampling parameters of `batch` rows (no logit bias: the plain program)."""
-        from tutel_jax.serving.steps import row_sampling, sampling_arrays, trim_bias
+        from tutel_jax.serving import row_sampling, sampling_arrays, trim_bias
         return trim_bias(sampling_arrays([row_sampling(0, b, 0.0, None, None, None) for b in range(batch)]))
 
     def prefill(self, ids, cache):
@@ -210,7 +210,7 @@ class Decoder:
 def decode_bytes(model: Any, batch: int) -> float:
     """Bytes read by one decode step at `batch` (module docstring): non-expert weights (the embedding's rows
     only) plus the expected used experts of every MoE layer."""
-    from tutel_jax.quant import weights as quant_weights
+    from tutel_jax.quant import _weights as quant_weights
 
     params = model.params
     total = 0.0
@@ -237,10 +237,10 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from tutel_jax.models import from_pretrained
-    from tutel_jax.models.causal_lm import PER_LAYER_JIT_CHOICES
-    from tutel_jax.models.memory import memory_report
-    from tutel_jax.core.host_memory import usable_cpus
-    from tutel_jax.native.bandwidth import read_bandwidth
+    from tutel_jax.models import PER_LAYER_JIT_CHOICES
+    from tutel_jax.models import memory_report
+    from tutel_jax.core import usable_cpus
+    from tutel_jax.native import read_bandwidth
 
     files = sorted(model_dir.glob("*.safetensors"))
     out: dict[str, Any] = {"model": model_dir.name, "shards": len(files)}

@@ -4,7 +4,7 @@ client concurrencies (default 1, 8, 32) against a checkpoint (default: the qwen3
     python benchmarks/serve.py [--checkpoint DIR] [--concurrency 1 8 32] [--max_tokens 16] [--quick]
         [--batching continuous bucketed] [--out benchmarks/results/serve_cpu.json]
 
-Protocol: the server runs in a subprocess (`python -m tutel_jax.serving.server`); for each concurrency c, c
+Protocol: the server runs in a subprocess (`python -m tutel_jax.serving`); for each concurrency c, c
 client threads each send requests back to back (greedy, token-id prompts of random length in
 [--min_prompt, --max_prompt], max_tokens fixed) over keep-alive connections. The server compiles every batch
 shape the run can reach at startup (--warmup_batch_sizes / --warmup_prompt_lens); one untimed round per level,
@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `tutel_jax` and `benchmar
 import numpy as np  # noqa: E402
 
 from benchmarks.common import machine_info, markdown_table, repo_root, write_json, write_text  # noqa: E402
-from tutel_jax.parallel.local_launch import free_port  # noqa: E402
+from tutel_jax.parallel import free_port  # noqa: E402
 
 
 
@@ -51,7 +51,7 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
     port = free_port()
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", checkpoint, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving", checkpoint, "--port", str(port),
                              "--max_batch_size", str(max_batch_size), "--batch_wait_ms", str(batch_wait_ms),
                              "--max_queue", "1024", "--log_level", "warning", "--batching", *batching.split(),
                              "--warmup_batch_sizes", *map(str, warm_batches), "--warmup_prompt_lens",

@@ -41,8 +41,8 @@ import optax  # noqa: E402
 from benchmarks.common import (LayerShape, fmt_ms, machine_info, markdown_table, quick_parser,  # noqa: E402
                                repo_root, results_path, run_and_report)
 from tutel_jax import init_params  # noqa: E402
-from tutel_jax.runtime.reconfigure import RuntimeConfig  # noqa: E402
-from tutel_jax.runtime.training import MoETrainer  # noqa: E402
+from tutel_jax.runtime import RuntimeConfig  # noqa: E402
+from tutel_jax.runtime import MoETrainer  # noqa: E402
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "switch_cpu.json"
 

@@ -27,7 +27,7 @@ outside the repository):
               prompts (random ids below 256, in both vocabularies) to /v1/completions; req/s, tokens/s and p50 /
               p99 latency (`benchmarks/serve.timed_load`, one untimed level first). `--serving-only` measures this
               alone and adds it to an existing results file of the same model.
-The read bandwidth is `tutel_jax.native.bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
+The read bandwidth is `tutel_jax.native._bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
 5, each thread's stream prefetched as the kernels prefetch theirs), measured in each tutel-jax round's process
 right after its batch-1 decode: a shared machine's bandwidth drifts by tens of percent over minutes, so a decode
 speed is set against the bandwidth of its own moment. `roofline_b1` = the bytes tutel-jax reads per decode step
@@ -232,9 +232,9 @@ def child(model_dir: Path, quick: bool) -> dict:
 
     from benchmarks.real_size import Decoder, decode_bytes
     from tutel_jax import native
-    from tutel_jax.experts.dropless import resolve_impl
+    from tutel_jax.experts import resolve_impl
     from tutel_jax.models import from_pretrained
-    from tutel_jax.native.bandwidth import read_bandwidth
+    from tutel_jax.native import read_bandwidth
 
     prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
                                                                                          DECODE_B8)
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--serving-only: {args.out} holds {previous.get('model')!r}, not {args.model!r}")
 
     from benchmarks import make_real_size
-    from tutel_jax.core.host_memory import usable_cpus
+    from tutel_jax.core import usable_cpus
 
     model = f"{args.model}-tiny" if args.quick and not args.model.endswith("-tiny") else args.model
     cpus = sorted(os.sched_getaffinity(0))[: args.threads or usable_cpus()]
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     tj["roofline_b1"] = statistics.median(r["roofline_b1"] for r in rounds_tj)
     bandwidth = statistics.median(r["read_bandwidth_bytes_per_s"] for r in rounds_tj)
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
-              "read_bandwidth_method": f"tutel_jax.native.bandwidth.read_bandwidth: {threads} threads, "
+              "read_bandwidth_method": f"tutel_jax.native._bandwidth.read_bandwidth: {threads} threads, "
                                        f"{read_bandwidth_bytes(args.quick) >> 20} MiB buffer, best of 5, "
                                        "software prefetch 8 and 16 KB ahead; in each tutel-jax round right after "
                                        "its batch-1 decode, median over rounds",

@@ -7,7 +7,7 @@
 
 import sys
 
-from tutel_jax.serving.generate_cli import main
+from tutel_jax.serving._generate_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,7 +48,7 @@ Process set-up (`jax.distributed.initialize`):
     step 1; stopping` (or `process N stopped ...`), and exits with status 4:
       - a step (or the start-up, or the shutdown) that raises first checks whether process 0 still accepts
         connections, then asks the coordination service which processes are alive
-        (`tutel_jax.parallel.failures.dead_peers`). If all of them are, the original error is raised. If the
+        (`tutel_jax.parallel._failures.dead_peers`). If all of them are, the original error is raised. If the
         question cannot be answered, the error is raised after S + 5 seconds, which leaves JAX the time to
         declare a dead process;
       - JAX's abort cannot be caught in Python, so the script runs itself as a child process, and the
@@ -162,7 +162,7 @@ def explain_child_failure(code: int, status: dict[str, str], log_text: str) -> i
     during = f" during {phase}" if phase else ""
     if pid is not None:  # a member of a multi-process job: did another process stop?
         try:
-            from tutel_jax.parallel.failures import PEER_STOPPED_EXIT_CODE, find_stopped_processes, stopped_message
+            from tutel_jax.parallel import PEER_STOPPED_EXIT_CODE, find_stopped_processes, stopped_message
 
             stopped = find_stopped_processes(process_id=int(pid), coordinator_address=status.get("coordinator"),
                                              log_text=log_text)
@@ -292,8 +292,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params  # noqa: E402
-from tutel_jax.parallel.local_launch import dump_stacks_on_signal  # noqa: E402
-from tutel_jax.parallel.failures import PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers, stopped_message
+from tutel_jax.parallel import dump_stacks_on_signal  # noqa: E402
+from tutel_jax.parallel import PEER_STOPPED_EXIT_CODE, current_coordinator_address, dead_peers, stopped_message
 
 
 # ----------------------------------------------------------------------------------------------------------

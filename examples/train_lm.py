@@ -13,7 +13,7 @@ Model: `tutel_jax.lm.LMSize` (RMSNorm, RoPE, GQA with q/k norms, a tutel-jax MoE
 Qwen3-MoE router, SwiGLU experts), its parameters laid out as an HF `qwen3_moe` checkpoint, so `--export`
 writes one that `from_pretrained` and HF transformers load. Data: `tutel_jax.lm.ByteCorpus` (bytes, split by
 file path; batch i depends only on (seed, i), so a resumed run sees the same batches). Training: optax AdamW
-with linear warmup + cosine decay and global-norm clipping, `tutel_jax.runtime.training.MoETrainer` over a mesh of all
+with linear warmup + cosine decay and global-norm clipping, `tutel_jax.runtime._training.MoETrainer` over a mesh of all
 devices (tokens split over every device, experts over the 'expert' axis). The progress bar shows the loss,
 tokens/s and each MoE layer's dropped fraction; `--log` writes one JSON object per line (steps, evaluations,
 expert load per layer, switches, the autotune decisions).
@@ -36,8 +36,8 @@ from typing import Any, Iterator, Sequence
 if __package__ in (None, ""):  # run as a script: make `tutel_jax` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tutel_jax.layer import execution  # noqa: E402
-from tutel_jax.parallel.local_launch import dump_stacks_on_signal, free_port, run_processes  # noqa: E402
+from tutel_jax.layer import _execution as execution  # noqa: E402
+from tutel_jax.parallel import dump_stacks_on_signal, free_port, run_processes  # noqa: E402
 from tutel_jax.cli_args import finite_float, int_at_least, positive_float, set_host_device_count  # noqa: E402
 
 DEFAULT_DEVICES = 8
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--aux-weight", type=finite_float, default=None,
                    help="load-balancing loss weight (default: the config's router_aux_loss_coef)")
     t.add_argument("--runtime", type=str, default=None,
-                   help="layout, e.g. ep=8 (default) or ep=4,dp=2,d=2 (see tutel_jax.runtime.text); dense: dp=N")
+                   help="layout, e.g. ep=8 (default) or ep=4,dp=2,d=2 (see tutel_jax.runtime._text); dense: dp=N")
     t.add_argument("--seed", type=int, default=0, help="seed of the parameters, the batches and the gate noise")
     d = p.add_argument_group("data")
     d.add_argument("--corpus", type=Path, default=None, help="root folder of the source files (default: stdlib)")
@@ -218,9 +218,9 @@ class LMRun:
         import numpy as np
 
         from tutel_jax.lm import ByteCorpus, LMSize, init_lm, lm_loss
-        from tutel_jax.runtime.reconfigure import RuntimeConfig
-        from tutel_jax.runtime.text import parse_runtime
-        from tutel_jax.runtime.training import MoETrainer
+        from tutel_jax.runtime import RuntimeConfig
+        from tutel_jax.runtime import parse_runtime
+        from tutel_jax.runtime import MoETrainer
 
         self.args, self.say = args, say
         self.main_process = jax.process_index() == 0
@@ -255,7 +255,7 @@ class LMRun:
                                   seed=args.seed)
         self.step = 0
         if args.resume:
-            from tutel_jax.checkpoint.orbax_io import latest_step
+            from tutel_jax.checkpoint import latest_step
             if latest_step(args.ckpt_dir) is None:
                 raise ValueError(f"--resume: no checkpoint in {args.ckpt_dir}")
             self.step = self.trainer.restore(args.ckpt_dir)
@@ -307,7 +307,7 @@ class LMRun:
     def train_step(self) -> dict[str, Any]:
         """One step (switching first at --switch-at); logs, checkpoints and evaluates on schedule."""
         import numpy as np
-        from tutel_jax.runtime.text import parse_runtime
+        from tutel_jax.runtime import parse_runtime
         args, trainer = self.args, self.trainer
         if args.switch_at is not None and self.step == args.switch_at:
             target = parse_runtime(args.switch_to)
@@ -349,7 +349,7 @@ class LMRun:
                 entry["load"] = _floats(metrics["load"])
             self.log.write(event="step", **entry)
         if args.ckpt_dir is not None and (step % args.ckpt_every == 0 or step == self.stop):
-            from tutel_jax.checkpoint.orbax_io import all_steps
+            from tutel_jax.checkpoint import all_steps
             if step not in all_steps(args.ckpt_dir):
                 trainer.save(args.ckpt_dir, max_to_keep=3)
         if step % args.eval_every == 0 or step == self.stop:
@@ -430,7 +430,7 @@ def autotune(trainer: Any, args: argparse.Namespace, global_batch, log: JsonLog,
     """Times the --autotune layouts on live batches (real training steps) and keeps the fastest; returns the step
     reached (the tuning steps count as training steps). Called again when the routing leaves the capacity band
     the choice was made for (`MoETrainer.observe_routing`)."""
-    from tutel_jax.runtime.text import parse_runtime
+    from tutel_jax.runtime import parse_runtime
     cf = trainer.runtime.capacity_factor
     candidates = [parse_runtime(text) for text in args.autotune.split(";") if text.strip()]
     candidates = [c if c.capacity_factor is not None else c.replace(capacity_factor=cf) for c in candidates]

@@ -1,4 +1,4 @@
-"""Serving and input hardening: sampling parameters are validated once (`tutel_jax.serving.sampling`) for the
+"""Serving and input hardening: sampling parameters are validated once (`tutel_jax.serving._sampling`) for the
 library's generate, the continuous batcher, `tutel-jax generate` and the server; non-finite logits stop generation
 with a clear error (the server answers 500 and keeps serving); every CLI error is one line with exit code 2, flags
 take dashes or underscores, and the help of each command names it (qwen3_moe fixture: 128 positions, 128 ids)."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.cli import main
-from tutel_jax.serving import generate
+from tutel_jax.serving import _generate as generate
 from support.paths import HF
 
 FIXTURE = HF / "qwen3_moe"
@@ -66,7 +66,7 @@ BAD_SAMPLING = [
 
 @pytest.mark.parametrize("bad,name,shown", BAD_SAMPLING)
 def test_shared_validator_names_parameter_value_and_range(bad, name, shown):
-    from tutel_jax.serving.sampling import check_sampling
+    from tutel_jax.serving import check_sampling
     kw = {"max_new_tokens": 4, **bad}
     with pytest.raises(ValueError) as e:
         check_sampling(**kw)
@@ -77,7 +77,7 @@ def test_shared_validator_names_parameter_value_and_range(bad, name, shown):
 
 
 def test_shared_validator_keeps_valid_values_and_checks_the_context():
-    from tutel_jax.serving.sampling import check_sampling, model_context
+    from tutel_jax.serving._sampling import check_sampling, model_context
     p = check_sampling(max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0)
     assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p) == (8, 0.7, 0, 1.0)
     p = check_sampling(max_new_tokens=np.int64(3), temperature=0, top_k=None, top_p=None)
@@ -103,7 +103,7 @@ def test_generate_rejects_what_the_server_refuses(model, prompts, bad, name, sho
 
 
 def test_continuous_batcher_rejects_bad_sampling_and_the_model_context(model):
-    from tutel_jax.serving.continuous import ContinuousBatcher, Request
+    from tutel_jax.serving._continuous import ContinuousBatcher, Request
     batcher = ContinuousBatcher(model, max_batch_size=1, max_len=256)  # slots beyond the model's 128 positions
     for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 2.0}, {"top_k": -3}):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -114,7 +114,7 @@ def test_continuous_batcher_rejects_bad_sampling_and_the_model_context(model):
 
 
 def _app(model, **cfg):
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
     return create_app(FIXTURE, ServerConfig(**cfg), model=model, warmup=False)
 
 
@@ -136,7 +136,7 @@ def test_server_refuses_with_the_shared_rules(model, batching):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving import api_requests, sampling
+    from tutel_jax.serving import _api_requests as api_requests, _sampling as sampling
     assert api_requests.check_sampling is sampling.check_sampling  # one set of rules, not a copy
     h = TestClient(_app(model, batching=batching))  # no lifespan: nothing is generated, only validated
     for body, param, code, shown in SERVER_BAD:
@@ -174,7 +174,7 @@ def test_generate_raises_on_non_finite_logits(poisoned, prompts):
 
 
 def test_continuous_batcher_fails_only_the_non_finite_request(poisoned, model):
-    from tutel_jax.serving.continuous import ContinuousBatcher, Request
+    from tutel_jax.serving._continuous import ContinuousBatcher, Request
     bad, t, _ = poisoned
     good = [9, 8, 7]
     ref = generate(model, np.array([good]), 6).tokens[0].tolist()

@@ -16,21 +16,18 @@ from .core import gshard_loss, load_importance_loss
 from .experts import Experts, FFNExperts, LlamaFFNExperts, register_experts
 from .layer import MoEAux, MoEConfig, init_params, make_config, moe_apply, route
 from .nn import MoE
-from .routing import Gate, RoutingPlan, register_gate, top_k_routing
-from .routing.dispatch import fast_decode, fast_encode
+from .routing import Gate, RoutingPlan, register_gate, top_k_routing, fast_decode, fast_encode
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MoE", "moe", "MoEConfig", "make_config", "init_params", "moe_apply", "route", "MoEAux",
-    "fast_encode", "fast_decode", "top_k_routing", "RoutingPlan", "Gate", "register_gate",
-    "Experts", "FFNExperts", "LlamaFFNExperts", "register_experts", "gshard_loss", "load_importance_loss",
-]
+__all__ = ["MoE", "moe", "MoEConfig", "make_config", "init_params", "moe_apply", "route", "MoEAux", "fast_encode",
+           "fast_decode", "top_k_routing", "RoutingPlan", "Gate", "register_gate", "Experts", "FFNExperts",
+           "LlamaFFNExperts", "register_experts", "gshard_loss", "load_importance_loss"]
 
 #: heavier subpackages load on first use (`tutel_jax.models.from_pretrained(...)`); earlier names of moved modules
 _LAZY_SUBMODULES = {"models": "models", "serving": "serving", "parallel": "parallel", "checkpoint": "checkpoint",
-                    "runtime": "runtime", "reconfigure": "runtime.reconfigure", "training": "runtime.training",
-                    "linen": "nn.linen"}
+                    "runtime": "runtime", "reconfigure": "runtime._reconfigure", "training": "runtime._training",
+                    "linen": "nn._linen"}
 
 
 def __getattr__(name):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 
 from .cli_args import SPELLING_NOTE
-from .compile.cli import main as compile_main
-from .serving.generate_cli import main as generate
-from .serving.server import main as serve
+from .compile._cli import main as compile_main
+from .serving._generate_cli import main as generate
+from .serving._server import main as serve
 
 COMMANDS = {
     "serve": "OpenAI-compatible HTTP server for a checkpoint (continuous batching, streaming)",

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from .core.host_memory import usable_cpus
+from .core import usable_cpus
 
 __all__ = ["DEVICE_COUNT_FLAG", "CommandParser", "ensure_host_device_count",
            "set_host_device_count", "int_at_least", "int_in_range", "finite_float", "positive_float",
@@ -112,7 +112,7 @@ def int_in_range(lo: int, hi: int) -> Callable[[str], int]:
 
 def checked(check: Callable[[Any], Any], parse: Callable[[str], Any] = float) -> Callable[[str], Any]:
     """argparse type: `check(parse(text))`, where check raises ValueError with its own message (e.g. the
-    sampling checks of `tutel_jax.serving.sampling`, so the command line and the library share their rules)."""
+    sampling checks of `tutel_jax.serving._sampling`, so the command line and the library share their rules)."""
     def convert(text: str) -> Any:
         try:
             value = parse(text)

@@ -8,12 +8,11 @@
 | pallas_mosaic_tpu.py | a Mosaic row-gather kernel (TPU) |
 """
 
-from .api import decode, encode, permute, unpermute
-from .pallas_triton import (DISPATCH_TILINGS, DispatchConfig, DispatchTiling, default_dispatch_config,
-                            row_dots_config)
-from .reference import (decode_reference, encode_reference, gather_encode, grouped_rows, row_dots_reference,
-                        slot_owner)
+from ._api import decode, encode, permute, unpermute
+from ._pallas_triton import DISPATCH_TILINGS, DispatchConfig, DispatchTiling, default_dispatch_config, row_dots_config
+from ._reference import (decode_reference, encode_reference, gather_encode, grouped_rows, row_dots_reference,
+                         slot_owner)
 
-__all__ = ["encode", "decode", "permute", "unpermute", "encode_reference", "decode_reference",
-           "row_dots_reference", "gather_encode", "grouped_rows", "slot_owner", "DispatchConfig", "DispatchTiling",
-           "DISPATCH_TILINGS", "default_dispatch_config", "row_dots_config"]
+__all__ = ["encode", "decode", "permute", "unpermute", "encode_reference", "decode_reference", "row_dots_reference",
+           "gather_encode", "grouped_rows", "slot_owner", "DispatchConfig", "DispatchTiling", "DISPATCH_TILINGS",
+           "default_dispatch_config", "row_dots_config"]

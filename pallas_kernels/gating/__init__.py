@@ -7,11 +7,11 @@
 | pallas_triton.py | the Pallas Triton kernel family (NVIDIA, AMD) and its tilings per target |
 """
 
-from .api import gating, slot_positions
-from .pallas_triton import (GATING_TILINGS, MAX_KERNEL_EXPERTS, GatingConfig, GatingTiling, default_gating_config,
-                            tiling_candidates)
-from .reference import GatingResult, gating_reference, slot_positions_reference
+from ._api import gating, slot_positions
+from ._pallas_triton import (GATING_TILINGS, MAX_KERNEL_EXPERTS, GatingConfig, GatingTiling, default_gating_config,
+                             tiling_candidates)
+from ._reference import GatingResult, gating_reference, slot_positions_reference, group_limited, normalize_weights
 
-__all__ = ["gating", "slot_positions", "gating_reference", "slot_positions_reference", "GatingResult",
-           "GatingConfig", "GatingTiling", "GATING_TILINGS", "MAX_KERNEL_EXPERTS", "default_gating_config",
-           "tiling_candidates"]
+__all__ = ["group_limited", "normalize_weights", "gating", "slot_positions", "gating_reference",
+           "slot_positions_reference", "GatingResult", "GatingConfig", "GatingTiling", "GATING_TILINGS",
+           "MAX_KERNEL_EXPERTS", "default_gating_config", "tiling_candidates"]

@@ -9,11 +9,12 @@
 | pallas_mosaic_gpu.py | tokamax's Mosaic GPU ragged_dot (Hopper, Blackwell; by name only) |
 """
 
-from .api import gmm, tgmm
-from .pallas_triton import (GMM_TILINGS, TGMM_TILINGS, DenseRhs, GmmConfig, default_gmm_config,
-                            default_tgmm_config, group_metadata, grouped_matmul_call, tiling_candidates)
-from .reference import clamp_group_sizes, gmm_reference, tgmm_reference
+from ._api import gmm, tgmm
+from ._pallas_triton import (GMM_TILINGS, TGMM_TILINGS, DenseRhs, GmmConfig, default_gmm_config, default_tgmm_config,
+                             group_metadata, grouped_matmul_call, tiling_candidates)
+from ._reference import clamp_group_sizes, gmm_reference, tgmm_reference
+from ._pallas_mosaic_tpu import TPU_DTYPES
 
-__all__ = ["gmm", "tgmm", "gmm_reference", "tgmm_reference", "clamp_group_sizes", "GmmConfig", "DenseRhs",
-           "GMM_TILINGS", "TGMM_TILINGS", "default_gmm_config", "default_tgmm_config", "group_metadata",
+__all__ = ["TPU_DTYPES", "gmm", "tgmm", "gmm_reference", "tgmm_reference", "clamp_group_sizes", "GmmConfig",
+           "DenseRhs", "GMM_TILINGS", "TGMM_TILINGS", "default_gmm_config", "default_tgmm_config", "group_metadata",
            "grouped_matmul_call", "tiling_candidates"]

@@ -10,12 +10,12 @@ cases.py lists what is compiled: the kernels of real model families at decode an
 tiling the selection tables hold. `python -m pallas_kernels.offline` prints the report.
 """
 
-from .cases import FAMILIES, Case, ModelFamily, all_cases, model_cases, tiling_cases
-from .compile import TRITON_PYTHON_ENV, TRITON_VERSION, CompileResult, compile_kernels, find_triton_python
-from .extract import TRITON_CALL, TritonKernel, export_for, kernels_of, triton_kernels
-from .report import KernelReport, compile_report, lower_cases, report_markdown
+from ._cases import FAMILIES, Case, ModelFamily, all_cases, model_cases, tiling_cases
+from ._compile import TRITON_PYTHON_ENV, TRITON_VERSION, CompileResult, compile_kernels, find_triton_python
+from ._extract import TRITON_CALL, TritonKernel, export_for, kernels_of, triton_kernels
+from ._report import KernelReport, compile_report, lower_cases, report_markdown
 
 __all__ = ["FAMILIES", "Case", "ModelFamily", "all_cases", "model_cases", "tiling_cases", "TRITON_PYTHON_ENV",
-           "TRITON_VERSION", "CompileResult", "compile_kernels", "find_triton_python", "TRITON_CALL",
-           "TritonKernel", "export_for", "kernels_of", "triton_kernels", "KernelReport", "compile_report",
-           "lower_cases", "report_markdown"]
+           "TRITON_VERSION", "CompileResult", "compile_kernels", "find_triton_python", "TRITON_CALL", "TritonKernel",
+           "export_for", "kernels_of", "triton_kernels", "KernelReport", "compile_report", "lower_cases",
+           "report_markdown"]

@@ -1,5 +1,5 @@
 import sys
 
-from .report import main
+from ._report import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tutel_jax.native.build import compiler
+from tutel_jax.native._build import compiler
 from support.paths import REPO
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from support.benchmark_run import run_quick
 
-from tutel_jax.native import build
+from tutel_jax.native import _build as build
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler: the native "
                                                                                    "kernels cannot be built here")

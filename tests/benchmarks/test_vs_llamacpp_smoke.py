@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import vs_llamacpp
 from support.benchmark_run import run_quick
-from tutel_jax.native import build
+from tutel_jax.native import _build as build
 
 
 def test_vs_llamacpp_quick(tmp_path):

@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from support.tutel_cases import TutelCase
 from tutel_jax import init_params, make_config, moe_apply
 from tutel_jax.checkpoint import load_torch_file
-from tutel_jax.checkpoint.distributed import (gather_state_dicts, load_tutel_rank_files,
+from tutel_jax.checkpoint import (gather_state_dicts, load_tutel_rank_files,
                                               load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
                                               scatter_state_dict)
-from tutel_jax.checkpoint.orbax_io import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from tutel_jax.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from support.paths import REPO
 
@@ -443,7 +443,7 @@ def _kill_when_started(code: str, args: list[str], started) -> None:
 
 
 _ORBAX_SAVER = """
-from tutel_jax.checkpoint.orbax_io import save_checkpoint
+from tutel_jax.checkpoint import save_checkpoint
 directory, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 save_checkpoint(directory, values(1, 4, 1000), step=1)
 big = values(2, n, size)
@@ -454,7 +454,7 @@ print("saved", flush=True)
 
 _ORBAX_CHECKER = """
 import jax
-from tutel_jax.checkpoint.orbax_io import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from tutel_jax.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
 directory = sys.argv[1]
 assert latest_step(directory) == 1, all_steps(directory)
 target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))

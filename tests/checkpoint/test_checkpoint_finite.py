@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.checkpoint import CheckpointFormatError, NonFiniteTensorError
-from tutel_jax.checkpoint.safetensors_io import SafetensorsFile, count_nonfinite
+from tutel_jax.checkpoint._safetensors_io import SafetensorsFile, count_nonfinite
 from tutel_jax.models import from_pretrained
 from support.paths import HF
 
@@ -160,7 +160,7 @@ def test_reader_counts_non_finite_codes_per_dtype(tmp_path, name, code, array, c
 
 
 def test_reader_counts_across_chunks(tmp_path, monkeypatch):
-    from tutel_jax.checkpoint import safetensors_io
+    from tutel_jax.checkpoint import _safetensors_io as safetensors_io
     monkeypatch.setattr(safetensors_io, "_CHECK_CHUNK_BYTES", 64)  # 16 float32 per chunk
     a = np.arange(1000, dtype=np.float32).reshape(10, 100)
     a.reshape(-1)[[0, 15, 16, 500, 999]] = [np.nan, np.inf, -np.inf, np.nan, np.inf]
@@ -177,7 +177,7 @@ def test_reader_counts_across_chunks(tmp_path, monkeypatch):
 def test_reader_reads_large_tensors_in_parts_on_threads(tmp_path, monkeypatch, workers):
     # a tensor of at least twice _PARALLEL_READ_BYTES is read in contiguous parts of whole check chunks, one per
     # thread: the same bytes and the same count as one reader (a part boundary between two bad values included)
-    from tutel_jax.checkpoint import safetensors_io
+    from tutel_jax.checkpoint import _safetensors_io as safetensors_io
     monkeypatch.setattr(safetensors_io, "_CHECK_CHUNK_BYTES", 64)
     monkeypatch.setattr(safetensors_io, "_PARALLEL_READ_BYTES", 256)
     monkeypatch.setattr(safetensors_io, "usable_cpus", lambda: workers)

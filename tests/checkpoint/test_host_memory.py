@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint.safetensors_io import SafetensorsFile
-from tutel_jax.core.host_memory import ALIGNMENT, empty_aligned
-from tutel_jax.quant import weights as quant_weights
+from tutel_jax.checkpoint._safetensors_io import SafetensorsFile
+from tutel_jax.core._host_memory import ALIGNMENT, empty_aligned
+from tutel_jax.quant import _weights as quant_weights
 
 
 @pytest.mark.parametrize("shape,dtype", [((3, 5), np.float32), (7, ml_dtypes.bfloat16), ((0, 4), np.uint8),

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint import torch_zip
-from tutel_jax.checkpoint.torch_zip import CheckpointFormatError, load_torch_file
-from tutel_jax.checkpoint.torch_zip_format import MAX_EXPANSION_RATIO, MAX_NESTING, MAX_PICKLE_MARKS
+from tutel_jax.checkpoint import _torch_zip as torch_zip
+from tutel_jax.checkpoint import CheckpointFormatError, load_torch_file
+from tutel_jax.checkpoint._torch_zip_format import MAX_EXPANSION_RATIO, MAX_NESTING, MAX_PICKLE_MARKS
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""tutel_jax.checkpoint.safetensors_io: round trip against the `safetensors` writer, every dtype, crafted bad files."""
+"""tutel_jax.checkpoint._safetensors_io: round trip against the `safetensors` writer, every dtype, crafted bad files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint.safetensors_io import SafetensorsFile, open_checkpoint
+from tutel_jax.checkpoint._safetensors_io import SafetensorsFile, open_checkpoint
 from support.paths import HF
 
 

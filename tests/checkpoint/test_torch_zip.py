@@ -1,4 +1,4 @@
-"""Tests for tutel_jax.checkpoint.torch_zip: torch.save zip checkpoints without torch.
+"""Tests for tutel_jax.checkpoint._torch_zip: torch.save zip checkpoints without torch.
 
 Most tests need no torch: they read checkpoints that real torch wrote (the Tutel
 fixtures) and hand-crafted archives. The ``torch``-marked tests use PyTorch as
@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint import torch_zip_write
-from tutel_jax.checkpoint.torch_zip import (CheckpointFormatError, UnsafeCheckpointError, load_torch_file,
+from tutel_jax.checkpoint import _torch_zip_write as torch_zip_write
+from tutel_jax.checkpoint import (CheckpointFormatError, UnsafeCheckpointError, load_torch_file,
                                             save_torch_file)
 from support.paths import TUTEL
 
@@ -701,7 +701,7 @@ def test_views_outside_their_storage_are_refused(tmp_path: Path, offset: int, si
 def test_callers_of_load_torch_file_surface_the_expanding_view_error(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture) -> None:
     from tutel_jax.checkpoint.__main__ import main as checkpoint_cli
-    from tutel_jax.checkpoint.tutel_format import read_state_dict
+    from tutel_jax.checkpoint._tutel_format import read_state_dict
 
     path = _stride0_bomb(tmp_path / "bomb.pt")
     with pytest.raises(CheckpointFormatError, match="'bomb'.*allow_expanding_views"):

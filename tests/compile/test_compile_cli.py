@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from tutel_jax.compile import cli, driver, hardware, topology
-from tutel_jax.compile.roofline import causal_pairs, roofline
-from tutel_jax.compile.topology import DevicelessUnavailable, TargetError, parse_target
-from tutel_jax.compile.weights import abstract_model
-from tutel_jax.models.causal_lm import from_pretrained
+from tutel_jax.compile import _cli as cli, _driver as driver, _hardware as hardware, _topology as topology
+from tutel_jax.compile._roofline import causal_pairs, roofline
+from tutel_jax.compile import DevicelessUnavailable, TargetError, parse_target
+from tutel_jax.compile._weights import abstract_model
+from tutel_jax.models import from_pretrained
 from support.paths import HF, REPO
 
 MATRIX = REPO / "benchmarks" / "compile_matrix.py"

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.compile.topology import DevicelessUnavailable, check_deviceless, parse_target, topology_of
+from tutel_jax.compile._topology import DevicelessUnavailable, check_deviceless, parse_target, topology_of
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel
 
 TARGETS = ("h100x8", "v5p:2x2x2")

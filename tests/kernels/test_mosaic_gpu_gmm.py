@@ -26,7 +26,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import _select
-from pallas_kernels.gmm import pallas_mosaic_gpu as mosaic_gpu_gmm
+from pallas_kernels.gmm import _pallas_mosaic_gpu as mosaic_gpu_gmm
 from support.paths import REPO
 
 SDS = jax.ShapeDtypeStruct
@@ -176,7 +176,7 @@ _CHILD = textwrap.dedent('''
     import json, re, sys
     import jax, jax.numpy as jnp
     from jax.experimental import topologies
-    from tutel_jax.compile.topology import parse_target, topology_of
+    from tutel_jax.compile._topology import parse_target, topology_of
     import pallas_kernels as pk
 
     hardware = sys.argv[1]
@@ -208,7 +208,7 @@ _CHILD = textwrap.dedent('''
 
 
 def _deviceless_unavailable() -> str | None:
-    from tutel_jax.compile.topology import DevicelessUnavailable, check_deviceless, parse_target
+    from tutel_jax.compile._topology import DevicelessUnavailable, check_deviceless, parse_target
     try:
         check_deviceless(parse_target("h100"))
     except DevicelessUnavailable as error:

@@ -1,5 +1,5 @@
 """Dispatch ops: encode/decode on the capacity buffer and permute/unpermute on the dropless layout, forward and
-custom-VJP gradients, against tutel_jax.routing.dispatch (the reference semantics)."""
+custom-VJP gradients, against tutel_jax.routing._dispatch (the reference semantics)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from tutel_jax.routing import dispatch as tutel_dispatch
+from tutel_jax.routing import _dispatch as tutel_dispatch
 
 from support.kernels import KernelTestBase, assert_close, random_normal
 

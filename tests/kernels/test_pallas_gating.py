@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from tutel_jax.routing.plan import slot_positions as tutel_slot_positions
-from tutel_jax.routing.plan import top_k_routing
+from tutel_jax.routing import slot_positions as tutel_slot_positions
+from tutel_jax.routing import top_k_routing
 
 from support.kernels import KernelTestBase, assert_close, random_normal
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from tutel_jax.experts.base import make_experts
+from tutel_jax.experts import make_experts
 
 from support.kernels import KernelTestBase, assert_close, random_normal
 

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels.dispatch import pallas_mosaic_tpu as tpu_dispatch
-from pallas_kernels.gmm import pallas_mosaic_tpu as tpu_gmm
-from tutel_jax.routing import dispatch as tutel_dispatch
+from pallas_kernels.dispatch import _pallas_mosaic_tpu as tpu_dispatch
+from pallas_kernels.gmm import _pallas_mosaic_tpu as tpu_gmm
+from tutel_jax.routing import _dispatch as tutel_dispatch
 
 from support.kernels import assert_close, random_normal
 

@@ -1,4 +1,4 @@
-"""The Mosaic TPU quantized grouped matmul (`pallas_kernels.quant.pallas_mosaic_tpu`, `quant_gmm(..., implementation="tpu")`).
+"""The Mosaic TPU quantized grouped matmul (`pallas_kernels.quant._pallas_mosaic_tpu`, `quant_gmm(..., implementation="tpu")`).
 
 - Through Pallas' interpreter ("tpu_interpret") on CPU against `quant_gmm_reference` (dequantize to float32, then
   `lax.ragged_dot` at HIGHEST), for FP8 block, MXFP4 and NVFP4: uneven and empty groups, rows past the sum,
@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels.quant import pallas_mosaic_tpu as tpu_quant_gmm
+from pallas_kernels.quant import _pallas_mosaic_tpu as tpu_quant_gmm
 
 from support.kernels import assert_close, random_normal
 

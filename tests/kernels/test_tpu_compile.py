@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
-from tutel_jax.compile.report import kernel_calls
+from tutel_jax.compile._report import kernel_calls
 
 #: topology name -> device kind libtpu reports (v5e is "v5e:<x>x<y>"; "v5litepod" spellings are rejected)
 TOPOLOGIES = {"v5p:2x2x2": "TPU v5", "v5e:2x4": "TPU v5 lite"}

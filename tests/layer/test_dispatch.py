@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from support import reference_np as ref
-from tutel_jax.routing import dispatch
+from tutel_jax.routing import _dispatch as dispatch
 from tutel_jax import fast_decode, fast_encode, top_k_routing
 
 

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.experts import dropless
-from tutel_jax.layer.config import make_config
-from tutel_jax.layer.pipeline import init_params, moe_apply
-from tutel_jax.native.build import int8_pays_off
+from tutel_jax.experts import _dropless as dropless
+from tutel_jax.layer import make_config
+from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.native._build import int8_pays_off
 
 EXPERTS = {
     "swiglu": {"type": "swiglu", "count_per_node": 16, "hidden_size_per_expert": 32},
@@ -105,7 +105,7 @@ def test_loop_equals_ragged(experts, gate):
 @pytest.mark.parametrize("chunk", [1, 2, 8])
 def test_expert_loop_equals_grouped(chunk):
     """expert_loop.grouped equals experts.grouped for groups of 0..5 rows, any chunk size (values and VJP)."""
-    from tutel_jax.experts import loop as expert_loop
+    from tutel_jax.experts import _loop as expert_loop
 
     config, params = _layer("gpt_oss", GATES[0], "ragged")
     sizes = jnp.asarray([3, 0, 1, 0, 5, 2, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1], jnp.int32)
@@ -129,7 +129,7 @@ def test_loop_runs_only_the_used_experts():
     equal to the ragged path's (with clean weights)."""
     import dataclasses
 
-    from tutel_jax.layer.pipeline import route
+    from tutel_jax.layer import route
 
     config, params = _layer("swiglu", GATES[0], "loop")
     x = jax.random.normal(jax.random.key(5), (3, 64))  # 6 assignments over 16 experts
@@ -162,7 +162,7 @@ def test_loop_runs_only_the_used_experts():
 def test_crowded_routing_stays_on_the_bucketed_path_on_cpu(monkeypatch):
     """Identical tokens all pick the same experts (count S > the 4x-balanced top bucket): on CPU the ladder
     reaches S for a small [E, S, M] buffer instead of falling back to ragged_dot; same result as ragged."""
-    import tutel_jax.layer.expert_paths as expert_paths
+    import tutel_jax.layer._expert_paths as expert_paths
 
     assert dropless.extend_for_cpu((4, 8), 40, 16, 256) == (4, 8, 16, 40)
     assert dropless.extend_for_cpu((4, 8), 40, 16, dropless.CPU_FULL_BUFFER_BYTES) == (4, 8)  # too big

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from tutel_jax.layer import execution
+from tutel_jax.layer import _execution as execution
 from tutel_jax import init_params, make_config, moe_apply
 
 GPU_KINDS = {"sm_80": "NVIDIA A100-SXM4-80GB", "sm_90": "NVIDIA H100 80GB HBM3"}

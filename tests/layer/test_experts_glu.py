@@ -10,8 +10,8 @@ import pytest
 
 from support import reference_routers_np as ref
 from tutel_jax import make_config
-from tutel_jax.experts.base import make_experts
-from tutel_jax.experts.shared import make_shared_experts
+from tutel_jax.experts import make_experts
+from tutel_jax.experts import make_shared_experts
 
 M, H, E = 12, 10, 3
 
@@ -100,7 +100,7 @@ ALL_TYPES = [{"type": "ffn", "hidden_size_per_expert": H}, {"type": "llama_ffn",
 def test_every_expert_type_runs_batched_grouped_and_gathered_alike(spec):
     """The math written once (`apply`) gives the same rows through Batched, Grouped and Gathered, float and packed
     weights alike; the three methods and the contract's members are declared (no probing)."""
-    from tutel_jax.experts.base import Experts
+    from tutel_jax.experts import Experts
 
     experts = make_experts(spec)
     assert isinstance(experts, Experts) and experts.supports("grouped") and experts.supports("gathered")
@@ -121,8 +121,8 @@ def test_every_expert_type_runs_batched_grouped_and_gathered_alike(spec):
 def test_quantized_swiglu_is_swiglu_with_packed_weights():
     """`weight_format` makes SwiGLU / GPT-OSS experts hold packed weights: the same classes, no Quant* types;
     the quantized result equals the float experts' on the dequantized weights."""
-    from tutel_jax.quant import weights as quant_weights
-    from tutel_jax.experts.glu import GptOssExperts, SwiGLUExperts
+    from tutel_jax.quant import _weights as quant_weights
+    from tutel_jax.experts import GptOssExperts, SwiGLUExperts
 
     q = make_experts({"type": "swiglu", "hidden_size_per_expert": 32, "weight_format": "nvfp4"})
     assert type(q) is SwiGLUExperts and q.weight_format == "nvfp4" and q.hidden_axes is None
@@ -148,7 +148,7 @@ def test_no_import_circle_and_no_quant_experts_module():
     import sys
 
     assert importlib.util.find_spec("tutel_jax.experts_quant") is None
-    code = ("import sys, tutel_jax.experts.grouped_linear, tutel_jax.experts.glu as g; "
+    code = ("import sys, tutel_jax.experts._grouped_linear, tutel_jax.experts._glu as g; "
             "assert not hasattr(g, 'QuantSwiGLUExperts') and not hasattr(g, 'QuantGptOssExperts')")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -158,8 +158,8 @@ def test_minimal_custom_experts_are_adapted_at_make_config():
     defaults, its own attributes and optional methods pass through, and the layer runs it."""
     import dataclasses
 
-    from tutel_jax.experts.base import AdaptedExperts, Experts
-    from tutel_jax.layer.pipeline import init_params, moe_apply
+    from tutel_jax.experts._base import AdaptedExperts, Experts
+    from tutel_jax.layer import init_params, moe_apply
 
     @dataclasses.dataclass(frozen=True)
     class Scale:
@@ -205,7 +205,7 @@ def test_minimal_custom_experts_are_adapted_at_make_config():
 
 
 def test_registered_factory_returning_a_minimal_object_is_adapted():
-    from tutel_jax.experts.base import EXPERT_TYPES, AdaptedExperts, register_experts
+    from tutel_jax.experts._base import EXPERT_TYPES, AdaptedExperts, register_experts
 
     class Identity:
         def init(self, key, model_dim, num_experts, dtype):

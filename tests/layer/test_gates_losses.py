@@ -12,9 +12,9 @@ import pytest
 
 from support import reference_np as ref
 from tutel_jax import init_params, make_config, moe_apply, route
-from tutel_jax.core.losses import cv_squared, gshard_loss, load_importance_loss
-from tutel_jax.routing.gates import CosineTopGate, TopGate
-from tutel_jax.routing.routers import MixtralRouter
+from tutel_jax.core._losses import cv_squared, gshard_loss, load_importance_loss
+from tutel_jax.routing import CosineTopGate, TopGate
+from tutel_jax.routing import MixtralRouter
 
 M, E = 16, 6
 EXPERTS = {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": 8}
@@ -186,14 +186,14 @@ class _LegacyRouter(_LegacyTop):
     computed_by: typing.ClassVar[type] = MixtralRouter
 
     def select(self, params, logits, k):
-        from tutel_jax.routing.routers import softmax_topk
+        from tutel_jax.routing._routers import softmax_topk
         return softmax_topk(logits, k, True)
 
 
 def test_gate_selection_is_declared_not_probed():
     from tutel_jax.routing import Gate, GateAdapter, as_gate, make_gate
-    from tutel_jax.routing.gates import PLAN, SELECT, TUTEL
-    from tutel_jax.routing.routers import ExpertChoiceRouter, MixtralRouter
+    from tutel_jax.routing._gates import PLAN, SELECT, TUTEL
+    from tutel_jax.routing import ExpertChoiceRouter, MixtralRouter
     assert TopGate().selection == CosineTopGate().selection == TUTEL
     assert MixtralRouter().selection == SELECT and ExpertChoiceRouter().selection == PLAN
     for gate in (TopGate(), MixtralRouter(), ExpertChoiceRouter()):
@@ -229,7 +229,7 @@ def test_gate_selection_is_declared_not_probed():
 
 
 def test_legacy_gate_adapter_fields_follow_dataclasses_replace():
-    from tutel_jax.runtime.reconfigure import with_gate_defaults
+    from tutel_jax.runtime._reconfigure import with_gate_defaults
     config = make_config(_LegacyTop(), M, EXPERTS)
     replaced = with_gate_defaults(config, 1, 0.5).gates[0]
     assert (replaced.k, replaced.capacity_factor) == (1, 0.5)
@@ -289,7 +289,7 @@ def test_zero_losses_keys_match_the_routed_losses():
 
 
 def test_legacy_expert_choice_gate_keeps_its_fixed_capacity_check():
-    from tutel_jax.routing.routers import ExpertChoiceRouter
+    from tutel_jax.routing import ExpertChoiceRouter
 
     @dataclasses.dataclass(frozen=True)
     class LegacyExpertChoice(_ComputedBy):  # duck-typed: `plan` makes it an expert-choice gate

@@ -11,14 +11,14 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from tutel_jax.core import losses
+from tutel_jax.core import _losses as losses
 from tutel_jax import make_config, moe, moe_apply
-from tutel_jax.experts.dropless import IMPLS
-from tutel_jax.layer.pipeline import init_params
-from tutel_jax.nn.linen import MoELinen
-from tutel_jax.native import build
+from tutel_jax.experts import IMPLS
+from tutel_jax.layer import init_params
+from tutel_jax.nn import MoELinen
+from tutel_jax.native import _build as build
 from tutel_jax.parallel import ExpertParallel, moe_apply_expert_sliced, moe_apply_parallel
-from tutel_jax.routing.gates import GATE_TYPES
+from tutel_jax.routing import GATE_TYPES
 
 M, E, H = 8, 4, 16
 FFN = {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H}
@@ -178,7 +178,7 @@ def test_good_capacity_factors_are_accepted():
 
 
 def test_custom_gate_object_with_bad_capacity_factor_fails_at_construction():
-    from tutel_jax.routing.gates import TopGate
+    from tutel_jax.routing import TopGate
     with pytest.raises(ValueError, match=r"gate_type\[0\]\['capacity_factor'\]"):
         make_config(TopGate(k=2, capacity_factor="x"), M, FFN)
 

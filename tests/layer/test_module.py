@@ -14,7 +14,7 @@ from flax import nnx
 
 from support import reference_np as ref
 from tutel_jax import MoE, make_config, moe, moe_apply
-from tutel_jax.nn.linen import MoELinen
+from tutel_jax.nn import MoELinen
 
 M = 16
 GATE = {"type": "top", "k": 2}

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.experts import dropless
+from tutel_jax.experts import _dropless as dropless
 from tutel_jax import make_config
-from tutel_jax.core.call_options import DROPLESS_EXCHANGES, CallOptions
-from tutel_jax.layer.pipeline import init_params, moe_apply, moe_pipeline
-from tutel_jax.parallel import exchanges, expert_parallel
-from tutel_jax.core.token_group import LOCAL, TokenGroup
+from tutel_jax.core import DROPLESS_EXCHANGES, CallOptions
+from tutel_jax.layer import init_params, moe_apply, moe_pipeline
+from tutel_jax.parallel import _exchanges as exchanges, _expert_parallel as expert_parallel
+from tutel_jax.core import LOCAL, TokenGroup
 
 M, H = 16, 24
 

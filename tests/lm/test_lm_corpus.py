@@ -1,4 +1,4 @@
-"""`tutel_jax.lm.corpus`: the byte corpus, its path-hash split, step-keyed batches, the prefetching iterator,
+"""`tutel_jax.lm._corpus`: the byte corpus, its path-hash split, step-keyed batches, the prefetching iterator,
 the fixed evaluation set and `local_rows`.
 
 References are independent: the split is recomputed here with hashlib, the layout by concatenating the files'
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tutel_jax.lm import corpus as corpus_mod
-from tutel_jax.lm.corpus import SEPARATOR, ByteCorpus, local_rows
+from tutel_jax.lm import _corpus as corpus_mod
+from tutel_jax.lm._corpus import SEPARATOR, ByteCorpus, local_rows
 
 # Names chosen so that string order differs from Path order ('a.b.py' < 'a/b.py' < 'a_b.py', 'B' < 'a').
 TRICKY = ("a.b.py", "a/b.py", "a_b.py", "B.py", ".hidden.py")

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from support import reference_routers_np as ref
-from tutel_jax.checkpoint.safetensors_io import open_checkpoint
-from tutel_jax.lm import LMSize, bits_per_byte, byte_tokenizer, causal_context, export_lm, init_lm, lm_eval, lm_loss
+from tutel_jax.checkpoint import open_checkpoint
+from tutel_jax.lm import LMSize, bits_per_byte, _byte_tokenizer as byte_tokenizer, causal_context, export_lm, init_lm, lm_eval, lm_loss
 from tutel_jax.lm import moe_config
 from tutel_jax.models import from_pretrained, spec_from_config
-from tutel_jax.models.decoder import forward
-from tutel_jax.models.hf_tables import attention_table, expected_shapes, load_params, mlp_prefix
-from tutel_jax.models.random_init import hf_tensor_shapes, random_hf_tensors
+from tutel_jax.models import forward
+from tutel_jax.models._hf_tables import attention_table, expected_shapes, load_params, mlp_prefix
+from tutel_jax.models import hf_tensor_shapes, random_hf_tensors
 from support.paths import HF
 
 # a tiny model: std 0.2 so that routing and logits are far from uniform
@@ -240,8 +240,8 @@ def test_loss_metrics_and_eval_against_float64_references(model, tokens, referen
 def test_expert_parallel_loss_against_the_references(model, tokens, reference):
     """lm_loss with the trainer's MoE call (`MoECall`: 4-way expert parallel x 2 data shards over the 8 CPU
     devices, tokens split over all 8): the same ce and loads; l_aux is the mean of the 8 shards' own losses."""
-    from tutel_jax.runtime.reconfigure import RuntimeConfig, plan_layout
-    from tutel_jax.runtime.training import MoECall
+    from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
+    from tutel_jax.runtime._training import MoECall
 
     default, _, record = reference
     layout = plan_layout(moe_config(model), RuntimeConfig.ep(4, data=2))
@@ -304,7 +304,7 @@ def test_export_round_trip_and_tokenizer(model, exported, tokens):
     want, _ = model.apply(params, ids, causal_context(*ids.shape))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert json.loads((path / "config.json").read_text()) == TINY.hf_config()
-    from tutel_jax.serving.tokenizer import TextCodec, load_tokenizer
+    from tutel_jax.serving._tokenizer import TextCodec, load_tokenizer
 
     assert load_tokenizer(path).encode("def f():", add_special_tokens=False).ids == list(b"def f():")
     codec = TextCodec(path)
@@ -325,7 +325,7 @@ def test_served_chat_completion(exported):
     pytest.importorskip("fastapi", reason="the server needs the `serve` extra (fastapi)")
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
 
     path, _ = exported
     app = create_app(path, ServerConfig(max_batch_size=1, batching="bucketed"), model=from_pretrained(path),

@@ -129,9 +129,9 @@ def test_bad_input_is_a_clear_error(train_lm, runs, tmp_path, capsys):
 def test_export_loads_generates_and_serves(runs, tmp_path):
     from support.server_process import served
     import httpx
-    from tutel_jax.lm import byte_tokenizer, init_lm, LMSize
+    from tutel_jax.lm import _byte_tokenizer as byte_tokenizer, init_lm, LMSize
     from tutel_jax.models import from_pretrained
-    from tutel_jax.serving import generate
+    from tutel_jax.serving import _generate as generate
 
     out = runs["root"] / "export"
     assert runs["whole"]["export"] == str(out)

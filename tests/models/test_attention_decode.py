@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.models.layers import AttnContext, attend
+from tutel_jax.models._layers import AttnContext, attend
 
 L, HQ, HKV, D = 16, 4, 2, 8
 

@@ -21,7 +21,7 @@ import pytest
 
 from support import reference_routers_np as ref
 from tutel_jax import moe_apply, route
-from tutel_jax.checkpoint.safetensors_io import load_safetensors
+from tutel_jax.checkpoint._safetensors_io import load_safetensors
 from tutel_jax.models import hf_moe_block, moe_layer_indices
 from support.paths import HF
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tutel_jax.models import from_pretrained
-from tutel_jax.models.decoder import context_from_mask
-from tutel_jax.models.layers import AttnContext
+from tutel_jax.models import context_from_mask
+from tutel_jax.models import AttnContext
 from support.paths import HF
 
 L = 16  # cache slots

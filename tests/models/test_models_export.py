@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint.safetensors_io import open_checkpoint
+from tutel_jax.checkpoint import open_checkpoint
 from tutel_jax.models import from_pretrained, save_pretrained
 from support.paths import HF
 

@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.checkpoint.safetensors_io import open_checkpoint
+from tutel_jax.checkpoint import open_checkpoint
 from tutel_jax.models import context_from_mask, from_pretrained
-from pallas_kernels.quant.formats.fp8_block import dequant_fp8_block_numpy
-from pallas_kernels.quant.formats.mxfp4 import dequant_mxfp4_numpy
-from pallas_kernels.quant.formats.nvfp4 import dequant_nvfp4_numpy
-from tutel_jax.serving import generate, left_align
+from pallas_kernels.quant.formats._fp8_block import dequant_fp8_block_numpy
+from pallas_kernels.quant.formats._mxfp4 import dequant_mxfp4_numpy
+from pallas_kernels.quant.formats._nvfp4 import dequant_nvfp4_numpy
+from tutel_jax.serving import _generate as generate, left_align
 from support.paths import HF, REPO
 from support.exact_paths import FLOAT_ACTIVATIONS
 

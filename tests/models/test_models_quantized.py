@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.quant import weights as quant_weights
-from tutel_jax.layer.config import make_config
-from tutel_jax.layer.pipeline import init_params, moe_apply
+from tutel_jax.quant import _weights as quant_weights
+from tutel_jax.layer import make_config
+from tutel_jax.layer import init_params, moe_apply
 from tutel_jax.models import from_pretrained, memory_report
-from tutel_jax.models.dequant import QuantizedTensors
+from tutel_jax.models import QuantizedTensors
 from support.paths import HF
 from support.exact_paths import FLOAT_ACTIVATIONS
 
@@ -145,7 +145,7 @@ def _as_modelopt(src: Path, dst: Path) -> Path:
 
     from safetensors.numpy import save_file
 
-    from tutel_jax.checkpoint.safetensors_io import open_checkpoint
+    from tutel_jax.checkpoint import open_checkpoint
 
     dst.mkdir()
     out = {}

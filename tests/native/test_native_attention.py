@@ -18,9 +18,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tutel_jax.models.layers import AttnContext, attend, write_cache
-from tutel_jax.native import build
-from tutel_jax.native.attention import decode_attention, worth_it
+from tutel_jax.models._layers import AttnContext, attend, write_cache
+from tutel_jax.native import _build as build
+from tutel_jax.native._attention import decode_attention, worth_it
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler on this machine")
 

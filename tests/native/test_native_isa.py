@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from tutel_jax import native
-from tutel_jax.experts.dropless import native_available
-from tutel_jax.layer.config import make_config
-from tutel_jax.native import build
-from tutel_jax.native.build import NativeKernelError
-from tutel_jax.native.dense import available as dense_available
+from tutel_jax.experts._dropless import native_available
+from tutel_jax.layer import make_config
+from tutel_jax.native import _build as build
+from tutel_jax.native import NativeKernelError
+from tutel_jax.native._dense import available as dense_available
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler: the native kernels cannot "
                                                                      "be built on this machine")

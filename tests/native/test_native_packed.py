@@ -24,12 +24,12 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels.quant import Nvfp4Weight
-from tutel_jax.experts import dropless
-from tutel_jax.layer.config import make_config
-from tutel_jax.layer.pipeline import init_params, moe_apply
+from tutel_jax.experts import _dropless as dropless
+from tutel_jax.layer import make_config
+from tutel_jax.layer import init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
-from tutel_jax.native import build, dense, moe_experts
-from tutel_jax.serving import generate
+from tutel_jax.native import _build as build, dense, moe_experts
+from tutel_jax.serving import _generate as generate
 from support.packed_weights import random_weight
 from support.paths import HF, REPO
 
@@ -284,7 +284,7 @@ def test_fixture_models_native_equal_xla(case):
 @needs_compiler
 def test_dense_auto_rule():
     """'auto' takes the kernel for a few rows of a bfloat16 or packed weight on CPU, XLA otherwise."""
-    from tutel_jax.native.dense import MAX_ROWS, worth_it
+    from tutel_jax.native._dense import MAX_ROWS, worth_it
     bf16 = jnp.zeros((64, 32), jnp.bfloat16)
     packed = pallas_kernels.quantize_mxfp4(jnp.ones((32, 64)))
     assert worth_it(jnp.zeros((1, 1, 64)), bf16) and worth_it(jnp.zeros((MAX_ROWS, 64)), packed)

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from tutel_jax.experts import dropless
-from tutel_jax.layer.config import make_config
+from tutel_jax.experts import _dropless as dropless
+from tutel_jax.layer import make_config
 from tutel_jax.models import from_pretrained
-from tutel_jax.native import build, dense, moe_experts
-from tutel_jax.native.weights import int8_capable
-from tutel_jax.serving import generate
+from tutel_jax.native import _build as build, dense, moe_experts
+from tutel_jax.native._weights import int8_capable
+from tutel_jax.serving import _generate as generate
 from support.packed_weights import random_weight
 from support.paths import HF
 

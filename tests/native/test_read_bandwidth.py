@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tutel_jax.native.bandwidth import read_bandwidth, read_words
+from tutel_jax.native._bandwidth import read_bandwidth, read_words
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
@@ -28,7 +28,7 @@ def test_every_word_is_read(threads):
 
 def test_portable_build_reads_every_word_too(tmp_path):
     """The portable build (TUTEL_JAX_NATIVE_ISA=portable, as on CPUs without AVX2 or NEON), in a fresh process."""
-    code = ("import numpy as np\nfrom tutel_jax.native.bandwidth import read_words\n"
+    code = ("import numpy as np\nfrom tutel_jax.native._bandwidth import read_words\n"
             "w = np.zeros(8 * 100 + 8, np.uint64); w[-1] = 5; w[3] = 8\n"
             "print(read_words(w, 3)[1])\n")
     env = {**os.environ, "TUTEL_JAX_NATIVE_ISA": "portable", "TUTEL_JAX_CACHE": str(tmp_path)}

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tutel_jax import init_params, make_config, moe_apply
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
-from tutel_jax.parallel.all_to_all import expert_all_to_all, expert_all_to_all_reverse
+from tutel_jax.parallel import expert_all_to_all, expert_all_to_all_reverse
 from tutel_jax.parallel import shard_map
 
 M, H = 16, 16
@@ -175,8 +175,8 @@ def test_unequal_token_counts_agree_on_capacity():
 
 def _single_with_capacity_tokens(params, tokens, config, capacity_tokens):
     """The single-device layer on `tokens`, with the capacity computed as if there were `capacity_tokens`."""
-    from tutel_jax.routing import dispatch
-    from tutel_jax.layer.pipeline import route
+    from tutel_jax.routing import _dispatch as dispatch
+    from tutel_jax.layer import route
     plan, _ = route(params["gates"][0], tokens, config, num_tokens_for_capacity=capacity_tokens)
     buf = dispatch.fast_encode(tokens, plan)
     out = config.experts.batched(params["experts"], buf)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tutel_jax.layer.config import make_config
-from tutel_jax.layer.pipeline import init_params, moe_apply
+from tutel_jax.layer import make_config
+from tutel_jax.layer import init_params, moe_apply
 from tutel_jax.parallel import moe_apply_expert_sliced
-from tutel_jax.parallel.expert_sliced import local_plan
-from tutel_jax.native import build
-from tutel_jax.routing.plan import plan_from_choices
+from tutel_jax.parallel._expert_sliced import local_plan
+from tutel_jax.native import _build as build
+from tutel_jax.routing import plan_from_choices
 
 TOP2 = {"type": "top", "k": 2}
 DEEPSEEK = {"type": "deepseek_v3", "k": 3, "n_group": 4, "topk_group": 2, "correction_bias": True,

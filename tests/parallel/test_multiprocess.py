@@ -9,7 +9,7 @@
   terminates it once its heartbeat timeout runs out (worker died) or once the connection to the coordinator
   fails (process 0 died). The example's supervising parent process, or the failed step itself, names the
   stopped process.
-* `tutel_jax.parallel.failures`' helpers on JAX's error messages and on the coordinator check, in-process.
+* `tutel_jax.parallel._failures`' helpers on JAX's error messages and on the coordinator check, in-process.
 
 Every subprocess runs under a deadline and is killed in a `finally`, so a hang fails the test instead of CI.
 """
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from tutel_jax.parallel.local_launch import ProcessResult, child_env, free_port, run_processes
+from tutel_jax.parallel._local_launch import ProcessResult, child_env, free_port, run_processes
 from support.xla_flags import with_fast_compile
 from support.paths import REPO
 
@@ -119,7 +119,7 @@ def test_dead_process_does_not_hang(dying: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# tutel_jax.parallel.failures, in this process
+# tutel_jax.parallel._failures, in this process
 # ----------------------------------------------------------------------------------------------------------
 # what a survivor's stderr holds after JAX 0.10 terminated it (worker 1 died; process 0 hosts the service)
 WORKER_DIED_LOG = """\
@@ -148,7 +148,7 @@ Received data size doesn't match expected size. Is there a distributed collectiv
 
 
 def test_stopped_processes_in_log() -> None:
-    from tutel_jax.parallel.failures import stopped_processes_in_log
+    from tutel_jax.parallel._failures import stopped_processes_in_log
 
     assert stopped_processes_in_log(WORKER_DIED_LOG) == [1]
     assert stopped_processes_in_log(COORDINATOR_DIED_LOG) == []  # the coordinator is checked by connecting
@@ -160,7 +160,7 @@ def test_stopped_processes_in_log() -> None:
 
 
 def test_stopped_message() -> None:
-    from tutel_jax.parallel.failures import stopped_message
+    from tutel_jax.parallel import stopped_message
 
     assert stopped_message([0], "step 1") == "process 0 (the coordinator) stopped during step 1; stopping"
     assert stopped_message([3, 1]) == "process 1 and process 3 stopped; stopping"
@@ -171,7 +171,7 @@ def test_stopped_message() -> None:
 
 
 def test_coordinator_check_and_find_stopped_processes() -> None:
-    from tutel_jax.parallel.failures import coordinator_reachable, dead_peers, find_stopped_processes
+    from tutel_jax.parallel._failures import coordinator_reachable, dead_peers, find_stopped_processes
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", 0))
@@ -215,7 +215,7 @@ def test_supervisor_names_the_stopped_process(capsys) -> None:
 
 
 def test_a_hung_child_prints_its_stacks_before_it_is_killed() -> None:
-    code = ("import time\nfrom tutel_jax.parallel.local_launch import dump_stacks_on_signal\n"
+    code = ("import time\nfrom tutel_jax.parallel._local_launch import dump_stacks_on_signal\n"
             "dump_stacks_on_signal()\nprint('ready', flush=True)\n"
             "def wait_for_a_peer():\n    time.sleep(600)\nwait_for_a_peer()\n")
     start = time.monotonic()

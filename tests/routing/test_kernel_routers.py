@@ -13,7 +13,7 @@ import pytest
 
 import pallas_kernels
 from tutel_jax import init_params, make_config, moe_apply, route
-from tutel_jax.routing.routers import DeepSeekV3Router, GptOssRouter, MixtralRouter, softmax_topk, topk_softmax
+from tutel_jax.routing._routers import DeepSeekV3Router, GptOssRouter, MixtralRouter, softmax_topk, topk_softmax
 
 M, E, S = 16, 8, 32
 EXPERTS = {"type": "swiglu", "count_per_node": E, "hidden_size_per_expert": 8}
@@ -221,7 +221,7 @@ def test_subclass_with_its_own_select_is_not_described():
 def test_tutel_gates_and_routers_share_one_kernel_helper(monkeypatch, gating_calls):
     """The fused gating kernel is called from one place (`routing.pipeline.kernel_choices`) for Tutel's gates and
     the routers alike; Tutel's top gate gets the plain path's plan and weights through it."""
-    from tutel_jax.routing import pipeline
+    from tutel_jax.routing import _pipeline as pipeline
     used = []
     real = pipeline.kernel_choices
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 from support import reference_routers_np as ref
 from tutel_jax import MoE, init_params, make_config, moe_apply
-from tutel_jax.experts.dropless import bucket_capacities
-from tutel_jax.nn.nnx import RouterState
+from tutel_jax.experts import bucket_capacities
+from tutel_jax.nn._nnx import RouterState
 
 M, H, E = 16, 12, 8
 HP = jax.lax.Precision.HIGHEST

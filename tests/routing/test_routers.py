@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from support import reference_routers_np as ref
-from tutel_jax.core import losses
+from tutel_jax.core import _losses as losses
 from tutel_jax.routing import make_gate, plan_from_choices, top_k_routing
-from tutel_jax.routing.routers import expert_choice_plan, sigmoid_group_topk
+from tutel_jax.routing._routers import expert_choice_plan, sigmoid_group_topk
 
 S, E = 48, 16
 
@@ -217,7 +217,7 @@ def test_update_correction_bias():
 
 
 def test_trainable_mask_excludes_the_correction_bias():
-    from tutel_jax.routing.routers import trainable_mask
+    from tutel_jax.routing._routers import trainable_mask
     params = {"gates": [{"weight": jnp.zeros((4, 2)), "e_score_correction_bias": jnp.zeros(4)}],
               "experts": {"down_proj": jnp.zeros((4, 3, 2))}}
     mask = trainable_mask(params)

@@ -10,7 +10,7 @@ import pytest
 
 from support import reference_np as ref
 from tutel_jax import make_config, init_params, moe_apply, top_k_routing
-from tutel_jax.routing.plan import align_capacity, static_capacity
+from tutel_jax.routing import align_capacity, static_capacity
 
 
 def _scores(S, E, seed):

@@ -1,4 +1,4 @@
-"""Continuous batching (tutel_jax.serving.continuous) without HTTP: per-row cache indices in the attention
+"""Continuous batching (tutel_jax.serving._continuous) without HTTP: per-row cache indices in the attention
 layers, greedy rows equal offline `generate` whenever they are admitted, rows are reused, seeded sampling does
 not depend on the other rows, and the decode step compiles once."""
 
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.models.layers import AttnContext, attend, write_cache
-from tutel_jax.serving import generate
-from tutel_jax.serving.continuous import TRACES, ContinuousBatcher, Request, prompt_bucket
-from tutel_jax.serving.generate import sample_rows
+from tutel_jax.models._layers import AttnContext, attend, write_cache
+from tutel_jax.serving import _generate as generate
+from tutel_jax.serving._continuous import TRACES, ContinuousBatcher, Request, prompt_bucket
+from tutel_jax.serving import sample_rows
 from support.paths import HF
 
 

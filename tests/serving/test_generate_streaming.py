@@ -9,12 +9,12 @@ import importlib
 import numpy as np
 import pytest
 
-from tutel_jax.serving import generate
+from tutel_jax.serving import _generate as generate
 from support.paths import HF
 
 FIXTURE = HF / "qwen3_moe"
 N = 8
-gen_module = importlib.import_module("tutel_jax.serving.generate")  # the module (the package exports the function)
+gen_module = importlib.import_module("tutel_jax.serving._generate")  # the module (the package exports the function)
 
 
 @pytest.fixture(scope="module")

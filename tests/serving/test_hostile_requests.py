@@ -1,4 +1,4 @@
-"""Hostile requests and command lines (tutel_jax.serving.api_requests, app, engines, generate_cli, server).
+"""Hostile requests and command lines (tutel_jax.serving._api_requests, app, engines, generate_cli, server).
 
 Every bad request is a 4xx naming the field at fault (never a 500), runs nothing, and the server answers the next
 good request; roles are OpenAI's; request text never becomes a control token; bodies that are not UTF-8 and lone
@@ -45,7 +45,7 @@ def model(ckpt):
 def client(ckpt, model):
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
     app = create_app(ckpt, ServerConfig(max_batch_size=4, max_len=64), model=model, warmup=False)
     with TestClient(app) as h:
         yield h
@@ -178,8 +178,8 @@ def test_logit_bias_forces_and_bans_tokens_in_the_server(client, reference):
 @pytest.mark.parametrize("on_device", [False, True])
 def test_logit_bias_in_generate(model, on_device):
     """`generate` (what the bucketed engine runs): +100 forces a token, -100 bans one, greedy and sampled."""
-    from tutel_jax.serving import generate
-    from tutel_jax.serving.sampling import SamplingParamError
+    from tutel_jax.serving import _generate as generate
+    from tutel_jax.serving import SamplingParamError
     ids = np.array([[5, 17, 99]], np.int32)
     ref = generate(model, ids, 4, on_device=on_device).tokens[0].tolist()
     forced = next(t for t in range(3, 128) if t not in ref)
@@ -197,7 +197,7 @@ def test_logit_bias_in_generate(model, on_device):
 def test_bucketed_engine_applies_logit_bias(ckpt, model):
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
     app = create_app(ckpt, ServerConfig(batching="bucketed", max_batch_size=2), model=model, warmup=False)
     with TestClient(app) as h:
         r = h.post(COMPLETIONS, json={"prompt": [5, 17, 99], "max_tokens": 3, "temperature": 0,
@@ -208,8 +208,8 @@ def test_bucketed_engine_applies_logit_bias(ckpt, model):
 def test_template_refusing_or_breaking_rules_is_a_400_on_messages(tmp_path, ckpt, model):
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.chat_template import ChatTemplateError
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._chat_template import ChatTemplateError
+    from tutel_jax.serving._server import ServerConfig, create_app
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).symlink_to(ckpt / f)
     shutil.copyfile(ckpt / "tokenizer.json", tmp_path / "tokenizer.json")  # a symlink out would be refused

@@ -1,4 +1,4 @@
-"""Untrusted chat templates and checkpoint files (tutel_jax.serving.chat_template, tokenizer.TextCodec).
+"""Untrusted chat templates and checkpoint files (tutel_jax.serving._chat_template, tokenizer.TextCodec).
 
 A checkpoint's chat template renders in jinja2's sandbox: what it must not do (reach internals, run commands,
 include files, grow without bound, loop forever) fails at load or at render with one `ChatTemplateError` naming the
@@ -22,8 +22,8 @@ pytest.importorskip("tokenizers", reason="needs the `serve` extra")
 sys.path.insert(0, str(FIXTURES))
 from make_chat_checkpoint import CHAT_TEMPLATE, IM_END, IM_START, build_tokenizer  # noqa: E402
 
-from tutel_jax.serving.chat_template import ChatTemplateError, TemplateLimits, load_chat_template  # noqa: E402
-from tutel_jax.serving.tokenizer import CheckpointPathError, TextCodec, resolve_inside  # noqa: E402
+from tutel_jax.serving._chat_template import ChatTemplateError, TemplateLimits, load_chat_template  # noqa: E402
+from tutel_jax.serving._tokenizer import CheckpointPathError, TextCodec, resolve_inside  # noqa: E402
 
 FAST = TemplateLimits(max_chars=100_000, max_iterations=10_000, timeout_s=0.5)
 USER = [{"role": "user", "content": "hi"}]

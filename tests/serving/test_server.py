@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (tutel_jax.serving.server): a real server in a subprocess on the qwen3_moe fixture,
+"""The OpenAI-compatible server (tutel_jax.serving._server): a real server in a subprocess on the qwen3_moe fixture,
 driven by the official `openai` client (and httpx for raw/bad requests). Greedy answers must equal offline
 `generate`; concurrent clients are batched and all answered; bad requests get OpenAI-style 4xx errors."""
 
@@ -41,7 +41,7 @@ def client(server):
 
 def _offline(model, prompts, n):
     """Greedy reference: one batched `generate` (each row equals that prompt run alone)."""
-    from tutel_jax.serving import generate
+    from tutel_jax.serving import _generate as generate
     T = max(map(len, prompts))
     ids = np.zeros((len(prompts), T), np.int32)
     mask = np.zeros_like(ids)
@@ -227,7 +227,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, model):
 
 def test_queue_limit_answers_429():
     """A full queue is refused (unit level: the worker is not started, so nothing drains)."""
-    from tutel_jax.serving.server import APIError, Engine, Job, QueueFull, ServerConfig
+    from tutel_jax.serving._server import APIError, Engine, Job, QueueFull, ServerConfig
     eng = Engine(model=None, cfg=ServerConfig(max_queue=2))
 
     def job():
@@ -249,7 +249,7 @@ def test_full_queue_is_answered_429_over_http(model):
     """The HTTP path of a full queue (in-process app; the worker is not started, so the queue stays full)."""
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import Job, ServerConfig, create_app
+    from tutel_jax.serving._server import Job, ServerConfig, create_app
     app = create_app(FIXTURE, ServerConfig(max_queue=1), model=model, warmup=False)
     app.state.server.engine.submit(Job([[1]], 1, 1, 0.0, None, None, concurrent.futures.Future()))
     r = TestClient(app).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
@@ -265,7 +265,7 @@ def test_text_prompts_stop_strings_and_chat_with_a_tokenizer(tmp_path, model):
     pytest.importorskip("jinja2")
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).symlink_to(FIXTURE / f)
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
@@ -340,7 +340,7 @@ def test_streamed_text_of_characters_split_over_tokens(tmp_path, model):
     pytest.importorskip("tokenizers")
     from fastapi.testclient import TestClient
 
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving._server import ServerConfig, create_app
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).symlink_to(FIXTURE / f)
     tok, byte = _byte_level_tokenizer()

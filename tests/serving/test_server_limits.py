@@ -218,8 +218,8 @@ def test_validation_errors_and_internal_errors_have_the_openai_shape(monkeypatch
     from fastapi.testclient import TestClient
 
     from tutel_jax.models import from_pretrained
-    from tutel_jax.serving import app as app_module
-    from tutel_jax.serving.server import ServerConfig, create_app
+    from tutel_jax.serving import _app as app_module
+    from tutel_jax.serving._server import ServerConfig, create_app
 
     app = create_app(FIXTURE, ServerConfig(), model=from_pretrained(FIXTURE), warmup=False)
 

@@ -1,5 +1,5 @@
 """One generation engine: `generate` (host loop and on device), continuous batching and so both server engines
-run the same prefill / decode / sample code (`tutel_jax.serving.steps`), and give the same tokens for prompts
+run the same prefill / decode / sample code (`tutel_jax.serving._steps`), and give the same tokens for prompts
 of mixed lengths, greedy or seeded, with a logit bias."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 
 from support.paths import HF
 from tutel_jax.models import from_pretrained
-from tutel_jax.serving import generate, left_align, steps
-from tutel_jax.serving.continuous import ContinuousBatcher, Request
-from tutel_jax.serving.generate import left_pad
+from tutel_jax.serving import _generate as generate, left_align, _steps as steps
+from tutel_jax.serving._continuous import ContinuousBatcher, Request
+from tutel_jax.serving._generate import left_pad
 
-gen_module = importlib.import_module("tutel_jax.serving.generate")  # the module (the package exports the function)
-continuous_module = importlib.import_module("tutel_jax.serving.continuous")
+gen_module = importlib.import_module("tutel_jax.serving._generate")  # the module (the package exports the function)
+continuous_module = importlib.import_module("tutel_jax.serving._continuous")
 
 
 def test_generate_and_continuous_batching_share_the_step_code():

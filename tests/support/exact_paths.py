@@ -8,7 +8,7 @@ kernels can be built (else 'auto' is the XLA path, float32 already).
 
 from __future__ import annotations
 
-from tutel_jax.native import build
+from tutel_jax.native import _build as build
 
 #: dropless_impl / dense_impl for float32 activations (empty: no C++ compiler, 'auto' is float32 there)
 FLOAT_ACTIVATIONS: dict[str, str] = (

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tutel_jax.parallel.local_launch import free_port
+from tutel_jax.parallel import free_port
 from support.paths import REPO
 
 
@@ -30,7 +30,7 @@ def served(checkpoint: str | os.PathLike, args: Sequence[str], log_dir: Path, he
     log_path = log_dir / "server.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving.server", str(checkpoint), "--host",
+        proc = subprocess.Popen([sys.executable, "-m", "tutel_jax.serving", str(checkpoint), "--host",
                                  "127.0.0.1", "--port", str(port), "--log-level", "info", *args],
                                 cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
         base = f"http://127.0.0.1:{port}"

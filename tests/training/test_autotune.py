@@ -1,4 +1,4 @@
-"""The adaptive runtime (`tutel_jax.runtime.autotune`, `MoETrainer.autotune`), driven by fake clocks so that every
+"""The adaptive runtime (`tutel_jax.runtime._autotune`, `MoETrainer.autotune`), driven by fake clocks so that every
 decision is deterministic: the pure Autotuner with a fake `measure`, then a real MoETrainer on 8 fake CPU devices
 whose clock advances by a configured cost per step and per compile of the running configuration.
 
@@ -15,11 +15,11 @@ import pytest
 
 from support import reference_np as ref
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.runtime.autotune import (LOAD_RATIO_KEY, Autotuner, Candidate, Sample, load_ratio, metrics_load_ratio,
+from tutel_jax.runtime._autotune import (LOAD_RATIO_KEY, Autotuner, Candidate, Sample, load_ratio, metrics_load_ratio,
                                         short_name)
-from tutel_jax.layer.pipeline import MoEAux
-from tutel_jax.runtime.reconfigure import RuntimeConfig, plan_layout
-from tutel_jax.runtime.training import MoETrainer
+from tutel_jax.layer import MoEAux
+from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
+from tutel_jax.runtime import MoETrainer
 
 MS = 2.0 ** -10  # one fake "millisecond", exact in binary
 

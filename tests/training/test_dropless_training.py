@@ -11,8 +11,8 @@ import optax
 import pytest
 
 from tutel_jax import make_config
-from tutel_jax.runtime.reconfigure import RuntimeConfig
-from tutel_jax.runtime.training import MoETrainer
+from tutel_jax.runtime import RuntimeConfig
+from tutel_jax.runtime import MoETrainer
 
 from support.trainer_problem import batch, loss_fn, problem_params  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""Runtime reconfiguration on 8 fake CPU devices (`tutel_jax.runtime.reconfigure`, `tutel_jax.runtime.training.MoETrainer`,
+"""Runtime reconfiguration on 8 fake CPU devices (`tutel_jax.runtime._reconfigure`, `tutel_jax.runtime._training.MoETrainer`,
 `MoE.reconfigure`).
 
 Model: x @ proj -> MoE (top-2 gate with noise, E = 4 ffn experts) -> mean squared error to tanh(x), adam. Every
 device routes 16 tokens, so the capacity (k * int(cf * ceil(16 / 4)) = 8) is a multiple of every s * d used here
-and the layout-only switches are exactly the same math (see tutel_jax/runtime/reconfigure.py).
+and the layout-only switches are exactly the same math (see tutel_jax/runtime/_reconfigure.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from jax.sharding import Mesh
 
 from tutel_jax import make_config
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
-from tutel_jax.runtime.reconfigure import RuntimeConfig, plan_layout
-from tutel_jax.runtime.training import MoETrainer
+from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
+from tutel_jax.runtime import MoETrainer
 from support.trainer_problem import M, batch, loss_fn, problem_params as _params
 from support.paths import REPO, TESTS
 

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .distributed import load_tutel_rank_files, save_tutel_state_dict_rank_files
-from .torch_zip import load_torch_file, save_torch_file
-from .tutel_format import NUM_EXPERTS_KEY
+from ._distributed import load_tutel_rank_files, save_tutel_state_dict_rank_files
+from ._torch_zip import load_torch_file, save_torch_file
+from ._tutel_format import NUM_EXPERTS_KEY
 
 _EXIT_ERROR = 2
 

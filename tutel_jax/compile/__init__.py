@@ -8,7 +8,8 @@ steps as per-layer programs), `roofline` (the analytic FLOPs / HBM bytes of a st
 (arguments and exit codes).
 """
 
-from .hardware import HARDWARE, Hardware
-from .topology import DevicelessUnavailable, Target, TargetError, parse_target
+from ._hardware import HARDWARE, Hardware
+from ._topology import DevicelessUnavailable, Target, TargetError, parse_target
+from ._driver import compile_model
 
-__all__ = ["HARDWARE", "Hardware", "Target", "TargetError", "DevicelessUnavailable", "parse_target"]
+__all__ = ["compile_model", "HARDWARE", "Hardware", "Target", "TargetError", "DevicelessUnavailable", "parse_target"]

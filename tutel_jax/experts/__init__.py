@@ -3,9 +3,14 @@
 (`grouped_linear`), the dense linear layer (`linear`), the expert loop (`loop`) and the dropless-path registry
 (`dropless`)."""
 
-from .base import Experts, FFNExperts, LlamaFFNExperts, as_experts, make_experts, register_experts
-from .glu import GptOssExperts, SwiGLUExperts
-from .shared import SharedExperts, make_shared_experts
+from ._base import Experts, FFNExperts, LlamaFFNExperts, as_experts, make_experts, register_experts
+from ._glu import GptOssExperts, SwiGLUExperts
+from ._shared import SharedExperts, make_shared_experts
+from ._dropless import (DroplessPath, IMPLS, bucket_capacities, bucket_index, check_native, impl_names,
+                        register_dropless_path, resolve_impl)
+from ._linear import DENSE_IMPLS, check_dense_impl, linear, native_activations
 
-__all__ = ["Experts", "FFNExperts", "LlamaFFNExperts", "SwiGLUExperts", "GptOssExperts", "SharedExperts",
+__all__ = ["DENSE_IMPLS", "DroplessPath", "IMPLS", "bucket_capacities", "bucket_index", "check_dense_impl",
+           "check_native", "impl_names", "linear", "native_activations", "register_dropless_path", "resolve_impl",
+           "Experts", "FFNExperts", "LlamaFFNExperts", "SwiGLUExperts", "GptOssExperts", "SharedExperts",
            "as_experts", "make_experts", "make_shared_experts", "register_experts"]

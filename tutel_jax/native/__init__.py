@@ -3,8 +3,11 @@ AVX-512, AVX2, NEON or portable C++; `TUTEL_JAX_NATIVE_ISA` forces one): see `bu
 of a MoE layer, float or packed), `dense` (a linear layer for a few rows) and `attention` (one decode step of
 attention over a static KV cache)."""
 
-from .build import NativeKernelError, isa
-from .dense import dense
-from .moe import moe_experts, moe_swiglu
+from ._build import NativeKernelError, isa, isa_in_effect
+from ._dense import dense, worth_it
+from ._moe import moe_experts, moe_swiglu, ensure_registered
+from ._bandwidth import read_bandwidth
+from ._weights import int8_by_default
 
-__all__ = ["NativeKernelError", "dense", "isa", "moe_experts", "moe_swiglu"]
+__all__ = ["ensure_registered", "int8_by_default", "isa_in_effect", "read_bandwidth", "worth_it", "NativeKernelError",
+           "dense", "isa", "moe_experts", "moe_swiglu"]

@@ -1,8 +1,8 @@
 """The Flax faces of the functional core: the NNX `MoE` layer (`nnx`), its Linen adapter (`linen`) and an NNX
 holder of a loaded causal LM (`causal_lm`)."""
 
-from .causal_lm import NNXCausalLM
-from .linen import MoELinen
-from .nnx import MoE
+from ._causal_lm import NNXCausalLM
+from ._linen import MoELinen
+from ._nnx import MoE
 
 __all__ = ["MoE", "MoELinen", "NNXCausalLM"]

@@ -22,7 +22,7 @@ from jinja2.ext import Extension
 from jinja2.runtime import Namespace
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .chat_template import ChatTemplateError, TemplateLimits
+from ._chat_template import ChatTemplateError, TemplateLimits
 
 __all__ = ["SandboxedTemplate", "compile_template", "static_check"]
 

@@ -21,16 +21,17 @@ import jax.numpy as jnp
 
 from ._bits import E2M1_LUT, FP8_MAX, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, unpack_fp4
 from ._record import DiskTensor, QuantFormat, TensorSite, TpuTiles, WeightParts, absent
-from . import fp8_block, mxfp4, nvfp4
-from .fp8_block import FP8_BLOCK, Fp8BlockWeight, dequant_fp8_block, quantize_fp8_block
-from .mxfp4 import MXFP4_BLOCK, Mxfp4Weight, dequant_mxfp4, quantize_mxfp4
-from .nvfp4 import NVFP4_BLOCK, Nvfp4Weight, dequant_nvfp4, quantize_nvfp4
+from ._fp8_block import FP8_BLOCK, Fp8BlockWeight, dequant_fp8_block, quantize_fp8_block
+from ._mxfp4 import MXFP4_BLOCK, Mxfp4Weight, dequant_mxfp4, quantize_mxfp4
+from ._nvfp4 import NVFP4_BLOCK, Nvfp4Weight, dequant_nvfp4, quantize_nvfp4
+from ._tpu_tiles import round_up
+from . import _fp8_block as fp8_block, _mxfp4 as mxfp4, _nvfp4 as nvfp4
 
-__all__ = ["FORMATS", "QuantFormat", "DiskTensor", "WeightParts", "TensorSite", "TpuTiles", "absent", "format_of",
-           "format_for_method", "E2M1_LUT", "FP8_MAX", "FP8_BLOCK", "MXFP4_BLOCK", "NVFP4_BLOCK", "Fp8BlockWeight",
-           "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4",
-           "quantize_fp8_block", "quantize_mxfp4", "quantize_nvfp4", "e2m1_to_f32", "e8m0_to_f32", "e4m3_to_f32",
-           "unpack_fp4", "weight_bytes"]
+__all__ = ["round_up", "FORMATS", "QuantFormat", "DiskTensor", "WeightParts", "TensorSite", "TpuTiles", "absent",
+           "format_of", "format_for_method", "E2M1_LUT", "FP8_MAX", "FP8_BLOCK", "MXFP4_BLOCK", "NVFP4_BLOCK",
+           "Fp8BlockWeight", "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight", "dequant_fp8_block", "dequant_mxfp4",
+           "dequant_nvfp4", "quantize_fp8_block", "quantize_mxfp4", "quantize_nvfp4", "e2m1_to_f32", "e8m0_to_f32",
+           "e4m3_to_f32", "unpack_fp4", "weight_bytes"]
 
 #: every format by name, in registration order
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in (fp8_block.FORMAT, mxfp4.FORMAT, nvfp4.FORMAT)}

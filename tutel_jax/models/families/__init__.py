@@ -4,8 +4,8 @@ To add a family: write `<model_type>.py` here (a `Family` passed to `register_fa
 import it below. Lookups: `family_of(config)`, `get_family(model_type)`, `family_names()`.
 """
 
-from ..family import Family, SharedExpertTensors, family_names, family_of, get_family, register_family
+from .._family import Family, SharedExpertTensors, family_names, family_of, get_family, register_family
 
-from . import qwen3_moe, qwen2_moe, mixtral, deepseek_v3, glm4_moe, gpt_oss, olmoe  # noqa: E402,F401  (register)
+from . import _qwen3_moe as qwen3_moe, _qwen2_moe as qwen2_moe, _mixtral as mixtral, _deepseek_v3 as deepseek_v3, _glm4_moe as glm4_moe, _gpt_oss as gpt_oss, _olmoe as olmoe  # noqa: E402,F401  (register)
 
 __all__ = ["Family", "SharedExpertTensors", "family_names", "family_of", "get_family", "register_family"]

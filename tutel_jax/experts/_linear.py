@@ -1,0 +1,52 @@
+"""One dense projection for every layer that has one: `linear(x, w, b, impl)` with the weight [out, in] as a
+checkpoint stores it, float or a quantized container (one layout, one call), through XLA or, for a few rows on
+CPU, the native kernel (`native.dense`: each weight row read once, contiguously; packed formats decoded in
+registers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..quant import _weights as quant_weights
+from ..native import dense, worth_it
+from ..native import int8_by_default
+
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "native_activations"]
+
+DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
+
+
+def check_dense_impl(impl: str) -> str:
+    if impl not in DENSE_IMPLS:
+        raise ValueError(f"dense_impl must be one of {DENSE_IMPLS}, got {impl!r}")
+    return impl
+
+
+def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:
+    """How `impl` runs x @ w: through the native kernel with 'float32' or 'int8' activations, or None (XLA).
+    'auto': native on CPU for at most `native.dense.MAX_ROWS` rows of a bfloat16 or packed weight when the kernel
+    can be built, with int8 activations for FP4 weights (`native_int8`) where they pay off
+    (`native.build.int8_pays_off`)."""
+    if impl == "auto":
+        if not worth_it(x, w):
+            return None
+        impl = "native_int8" if int8_by_default(w) else "native"
+    return {"native": "float32", "native_int8": "int8"}.get(impl)
+
+
+def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+    """x [..., in] @ w.T (+ b [out]) -> [..., out] in x's dtype: w [out, in] as on disk, a float array or a
+    quantized container.
+
+    impl: 'xla' (a matmul; packed weights dequantized inside it, see `tutel_jax.quant._weights`), 'native' (the
+    C++ CPU kernel `native.dense`: each weight byte read once, packed formats decoded in registers, float32
+    accumulation), 'native_int8' ('native' with an FP4 weight's activations quantized to int8 per block of 32:
+    integer dot products) or 'auto' (`native_activations`)."""
+    activations = native_activations(x, w, impl)
+    if activations is not None:
+        return dense(x, w, b, rows=True, activations=activations).astype(x.dtype)
+    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.einsum("...k,nk->...n", x, w)
+    return y if b is None else y + b

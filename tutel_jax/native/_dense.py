@@ -1,0 +1,76 @@
+"""A dense linear layer for a few rows in one native CPU call (`dense_cpu.cc`, an XLA FFI custom call).
+
+    dense(x [..., K], w, b=None, rows=False) -> float32 [..., N]
+
+`w` is float rows [N, K] (`rows=True`: the models' linear weights, lm_head and tied embedding, as stored), a
+float32 / bfloat16 kernel [K, N] ([in, out]) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4,
+NVFP4) in the checkpoint's [N, K] layout. A decode step's attention
+projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
+packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
+`worth_it(x, w)` is the models' rule for using it (CPU, a few rows, a weight the kernel reads).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import _backends as backends
+from ..quant import _weights as quant_weights
+from ..core import varying_like
+from ._build import can_register, register
+from ._weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
+
+__all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
+
+TARGET = "tutel_jax_dense"
+_LIBRARY = ("dense_cpu", "TutelJaxDense", TARGET)  # the source, its handler symbol, the FFI target
+#: at most this many rows go to the kernel (decode and small batches); more rows are a matmul XLA does well
+MAX_ROWS = 16
+
+
+def ensure_registered() -> None:
+    register(*_LIBRARY)
+
+
+def available() -> bool:
+    """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler). A
+    TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError instead."""
+    return backends.platform() == "cpu" and can_register(*_LIBRARY)
+
+
+def worth_it(x: jax.Array, w: Any) -> bool:
+    """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads."""
+    if math.prod(x.shape[:-1]) > MAX_ROWS or unsupported(w) is not None:
+        return False
+    if not quant_weights.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):
+        return False  # float32 matvecs XLA streams well
+    return available()
+
+
+def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, activations: str = "float32",
+          max_workers: int | None = None) -> jax.Array:
+    """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N], float rows [N, K] (`rows`) or a
+    packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
+    workers = check_max_workers(max_workers, "dense")
+    int8 = check_activations(activations, "dense")
+    shape = quant_weights.logical_shape(w)
+    if len(shape) != 2:
+        raise ValueError(f"dense: expected a 2-d weight, got {shape}")
+    n, k = shape if rows or quant_weights.is_quantized(w) else shape[::-1]
+    if x.shape[-1] != k:
+        raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match the weight's K={k}")
+    if b is not None and tuple(b.shape) != (n,):
+        raise ValueError(f"dense: bias must be [{n}], got {tuple(b.shape)}")
+    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w), rows=rows)
+    ensure_registered()
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
+    y = call(rows, data, scale, glob, empty() if b is None else bias_arg(b), format=np.int64(fmt),
+             int8_activations=int8, max_workers=np.int64(workers))
+    y = varying_like(y, x, *jax.tree_util.tree_leaves((w, b)))
+    return y.reshape(*x.shape[:-1], n)
