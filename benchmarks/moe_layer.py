@@ -46,8 +46,7 @@ import numpy as np
 from benchmarks.common import (Timing, fmt_ms, fmt_ratio, machine_info, markdown_table, repo_root,
                                time_interleaved, tune_malloc, write_json, write_text)
 from tutel_jax import fast_decode, fast_encode, init_params, make_config, moe_apply, top_k_routing
-from tutel_jax.layer import MoEConfig
-from tutel_jax.layer import route
+from tutel_jax.layer import MoEConfig, route
 from tutel_jax.routing import RoutingPlan
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "moe_layer_cpu.json"

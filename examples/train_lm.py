@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 if __package__ in (None, ""):  # run as a script: make `tutel_jax` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tutel_jax.layer import _execution as execution  # noqa: E402
+from tutel_jax.layer import execution  # noqa: E402
 from tutel_jax.parallel import dump_stacks_on_signal, free_port, run_processes  # noqa: E402
 from tutel_jax.cli_args import finite_float, int_at_least, positive_float, set_host_device_count  # noqa: E402
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.cli import main
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.paths import HF
 
 FIXTURE = HF / "qwen3_moe"

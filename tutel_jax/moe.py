@@ -2,8 +2,7 @@
 `moe.fast_encode(...)`, `moe.fast_decode(...)`, as in `from tutel import moe`."""
 
 from .nn import MoE
-from .routing import fast_decode, fast_encode
-from .routing import RoutingPlan, top_k_routing
+from .routing import fast_decode, fast_encode, RoutingPlan, top_k_routing
 
 moe_layer = MoE
 extract_critical = top_k_routing

@@ -70,8 +70,7 @@ from .._manual import require_manual_axes, run_manual
 from .._select import NotSupported
 from .._util import cdiv
 from ..gmm import TPU_DTYPES
-from .formats import FORMATS, QuantFormat, format_of
-from .formats import round_up
+from .formats import FORMATS, QuantFormat, format_of, round_up
 
 __all__ = ["quant_gmm_tpu", "check_supported", "default_tiling", "vmem_bytes", "work_items", "VMEM_BUDGET",
            "VMEM_LIMIT", "KERNEL_NAME"]

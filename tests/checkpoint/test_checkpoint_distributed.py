@@ -22,11 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from support.tutel_cases import TutelCase
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.checkpoint import load_torch_file
-from tutel_jax.checkpoint import (gather_state_dicts, load_tutel_rank_files,
-                                              load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
-                                              scatter_state_dict)
-from tutel_jax.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from tutel_jax.checkpoint import (load_torch_file, gather_state_dicts, load_tutel_rank_files,
+                                  load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
+                                  scatter_state_dict, all_steps, latest_step, restore_checkpoint, save_checkpoint)
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from support.paths import REPO
 

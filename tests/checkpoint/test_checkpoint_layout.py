@@ -17,11 +17,8 @@ import pytest
 
 from tutel_jax.checkpoint._safetensors_io import DTYPES, SafetensorsFile, open_checkpoint
 from tutel_jax.checkpoint import TensorInfo, plan_shards, shard_is_complete, write_index, write_shard
-from tutel_jax.models import from_pretrained
-from tutel_jax.models import checkpoint_layout
-from tutel_jax.models import hf_tensor_shapes, random_hf_tensors
-from tutel_jax.models import load_params
-from tutel_jax.models import spec_from_config
+from tutel_jax.models import (from_pretrained, checkpoint_layout, hf_tensor_shapes, random_hf_tensors, load_params,
+                              spec_from_config)
 from support.paths import HF, REPO
 
 FLOAT_CASES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss", "glm4_moe")

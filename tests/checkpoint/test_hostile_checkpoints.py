@@ -25,11 +25,9 @@ import pytest
 
 from tutel_jax.checkpoint._paths import hf_cache_repo, resolve_inside
 from tutel_jax.checkpoint._safetensors_io import SafetensorsFile, open_checkpoint
-from tutel_jax.models import from_pretrained
+from tutel_jax.models import from_pretrained, hf_tensor_shapes, spec_from_config
 from tutel_jax.models._family import MAX_EXPERTS, MAX_LAYERS
 from tutel_jax.models._hf_tables import implied_tensor_count
-from tutel_jax.models import hf_tensor_shapes
-from tutel_jax.models import spec_from_config
 from support.paths import HF
 
 MiB = 1 << 20

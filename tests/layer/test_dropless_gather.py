@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.experts import _dropless as dropless
-from tutel_jax.layer import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.native._build import int8_pays_off
 
 EXPERTS = {

@@ -10,8 +10,7 @@ import pytest
 
 from support import reference_routers_np as ref
 from tutel_jax import make_config
-from tutel_jax.experts import make_experts
-from tutel_jax.experts import make_shared_experts
+from tutel_jax.experts import make_experts, make_shared_experts
 
 M, H, E = 12, 10, 3
 

@@ -13,8 +13,7 @@ import pytest
 from support import reference_np as ref
 from tutel_jax import init_params, make_config, moe_apply, route
 from tutel_jax.core._losses import cv_squared, gshard_loss, load_importance_loss
-from tutel_jax.routing import CosineTopGate, TopGate
-from tutel_jax.routing import MixtralRouter
+from tutel_jax.routing import CosineTopGate, TopGate, MixtralRouter
 
 M, E = 16, 6
 EXPERTS = {"type": "ffn", "count_per_node": E, "hidden_size_per_expert": 8}

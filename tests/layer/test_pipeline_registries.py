@@ -13,10 +13,9 @@ import pytest
 
 from tutel_jax.experts import _dropless as dropless
 from tutel_jax import make_config
-from tutel_jax.core import DROPLESS_EXCHANGES, CallOptions
+from tutel_jax.core import DROPLESS_EXCHANGES, CallOptions, LOCAL, TokenGroup
 from tutel_jax.layer import init_params, moe_apply, moe_pipeline
 from tutel_jax.parallel import _exchanges as exchanges, _expert_parallel as expert_parallel
-from tutel_jax.core import LOCAL, TokenGroup
 
 M, H = 16, 24
 

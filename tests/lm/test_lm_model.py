@@ -22,10 +22,8 @@ from support import reference_routers_np as ref
 from tutel_jax.checkpoint import open_checkpoint
 from tutel_jax.lm import LMSize, bits_per_byte, _byte_tokenizer as byte_tokenizer, causal_context, export_lm, init_lm, lm_eval, lm_loss
 from tutel_jax.lm import moe_config
-from tutel_jax.models import from_pretrained, spec_from_config
-from tutel_jax.models import forward
+from tutel_jax.models import from_pretrained, spec_from_config, forward, hf_tensor_shapes, random_hf_tensors
 from tutel_jax.models._hf_tables import attention_table, expected_shapes, load_params, mlp_prefix
-from tutel_jax.models import hf_tensor_shapes, random_hf_tensors
 from support.paths import HF
 
 # a tiny model: std 0.2 so that routing and logits are far from uniform

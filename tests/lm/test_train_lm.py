@@ -131,7 +131,7 @@ def test_export_loads_generates_and_serves(runs, tmp_path):
     import httpx
     from tutel_jax.lm import _byte_tokenizer as byte_tokenizer, init_lm, LMSize
     from tutel_jax.models import from_pretrained
-    from tutel_jax.serving import _generate as generate
+    from tutel_jax.serving import generate
 
     out = runs["root"] / "export"
     assert runs["whole"]["export"] == str(out)

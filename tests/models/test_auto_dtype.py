@@ -12,7 +12,7 @@ from support.paths import HF
 from tutel_jax.cli import main
 from tutel_jax.models import from_pretrained
 from tutel_jax.models._quant_layout import auto_compute_dtype, stored_float_dtype
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 
 PROMPT = np.array([[3, 17, 42, 5, 9, 11]], np.int32)
 

@@ -11,13 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.models import from_pretrained
+from tutel_jax.models import from_pretrained, context_from_mask, AttnContext, random_hf_tensors
 from tutel_jax.models import _layer_programs as layer_programs
 from tutel_jax.models._causal_lm import PER_LAYER_MIN_LAYERS
-from tutel_jax.models import context_from_mask
-from tutel_jax.models import AttnContext
-from tutel_jax.models import random_hf_tensors
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from tutel_jax.serving._continuous import ContinuousBatcher, Request
 from support.paths import HF
 

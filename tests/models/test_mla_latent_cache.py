@@ -9,9 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tutel_jax.models import from_pretrained
-from tutel_jax.models import context_from_mask
-from tutel_jax.models import AttnContext
+from tutel_jax.models import from_pretrained, context_from_mask, AttnContext
 from support.paths import HF
 
 L = 16  # cache slots

@@ -18,7 +18,7 @@ from tutel_jax.models import context_from_mask, from_pretrained
 from pallas_kernels.quant.formats._fp8_block import dequant_fp8_block_numpy
 from pallas_kernels.quant.formats._mxfp4 import dequant_mxfp4_numpy
 from pallas_kernels.quant.formats._nvfp4 import dequant_nvfp4_numpy
-from tutel_jax.serving import _generate as generate, left_align
+from tutel_jax.serving import generate, left_align
 from support.paths import HF, REPO
 from support.exact_paths import FLOAT_ACTIVATIONS
 

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 from tutel_jax.models import from_pretrained
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.paths import HF
 from support.exact_paths import FLOAT_ACTIVATIONS
 

@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 
 from tutel_jax.quant import _weights as quant_weights
-from tutel_jax.layer import make_config
-from tutel_jax.layer import init_params, moe_apply
-from tutel_jax.models import from_pretrained, memory_report
-from tutel_jax.models import QuantizedTensors
+from tutel_jax.layer import make_config, init_params, moe_apply
+from tutel_jax.models import from_pretrained, memory_report, QuantizedTensors
 from support.paths import HF
 from support.exact_paths import FLOAT_ACTIVATIONS
 

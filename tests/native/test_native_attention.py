@@ -20,7 +20,7 @@ import pytest
 
 from tutel_jax.models._layers import AttnContext, attend, write_cache
 from tutel_jax.native import _build as build
-from tutel_jax.native._attention import decode_attention, worth_it
+from tutel_jax.native import attends_natively, decode_attention
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler on this machine")
 
@@ -148,6 +148,6 @@ def test_errors_and_rule():
         f16 = z((1, 2, 16, 8), jnp.float16)
         decode_attention(z((1, 1, 4, 8)), z((1, 1, 2, 8)), z((1, 1, 2, 8)), f16, f16, 0, z((1, 16), bool), 1.0)
     # the models' rule: CPU, one query token, a float32 or bfloat16 cache
-    assert worth_it(z((1, 1, 4, 8)), z((1, 2, 16, 8), ml_dtypes.bfloat16))
-    assert not worth_it(z((1, 2, 4, 8)), z((1, 2, 16, 8)))  # a prefill: XLA's attention
-    assert not worth_it(z((1, 1, 4, 8)), z((1, 2, 16, 8), jnp.float16))
+    assert attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8), ml_dtypes.bfloat16))
+    assert not attends_natively(z((1, 2, 4, 8)), z((1, 2, 16, 8)))  # a prefill: XLA's attention
+    assert not attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8), jnp.float16))

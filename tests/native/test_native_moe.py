@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 
 from tutel_jax.cli import main
-from tutel_jax.layer import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import NativeKernelError, _build as build, moe_swiglu
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.paths import HF
 
 SWIGLU_CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe"]

@@ -25,11 +25,10 @@ import pytest
 import pallas_kernels
 from pallas_kernels.quant import Nvfp4Weight
 from tutel_jax.experts import _dropless as dropless
-from tutel_jax.layer import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
 from tutel_jax.native import _build as build, dense, moe_experts
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.packed_weights import random_weight
 from support.paths import HF, REPO
 

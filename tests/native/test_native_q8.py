@@ -26,7 +26,7 @@ from tutel_jax.layer import make_config
 from tutel_jax.models import from_pretrained
 from tutel_jax.native import _build as build, dense, moe_experts
 from tutel_jax.native._weights import int8_capable
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.packed_weights import random_weight
 from support.paths import HF
 

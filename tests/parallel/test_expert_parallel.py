@@ -11,9 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
-from tutel_jax.parallel import expert_all_to_all, expert_all_to_all_reverse
-from tutel_jax.parallel import shard_map
+from tutel_jax.parallel import (ExpertParallel, moe_apply_parallel, shard_params, expert_all_to_all,
+                                expert_all_to_all_reverse, shard_map)
 
 M, H = 16, 16
 DEVICES = np.array(jax.devices()[:8])

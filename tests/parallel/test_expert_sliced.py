@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tutel_jax.layer import make_config
-from tutel_jax.layer import init_params, moe_apply
+from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.parallel import moe_apply_expert_sliced
 from tutel_jax.parallel._expert_sliced import local_plan
 from tutel_jax.native import _build as build

@@ -12,8 +12,7 @@ import pytest
 from jax.sharding import Mesh
 
 from tutel_jax import init_params, make_config, moe_apply
-from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
-from tutel_jax.parallel import ragged_supported
+from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params, ragged_supported
 
 M, H = 16, 8
 PLACEMENT = ExpertParallel(Mesh(np.array(jax.devices()[:8]), ("expert",)))

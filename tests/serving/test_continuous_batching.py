@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tutel_jax.models._layers import AttnContext, attend, write_cache
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from tutel_jax.serving._continuous import TRACES, ContinuousBatcher, Request, prompt_bucket
 from tutel_jax.serving import sample_rows
 from support.paths import HF

@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import pytest
 
-from tutel_jax.serving import _generate as generate
+from tutel_jax.serving import generate
 from support.paths import HF
 
 FIXTURE = HF / "qwen3_moe"

@@ -178,7 +178,7 @@ def test_logit_bias_forces_and_bans_tokens_in_the_server(client, reference):
 @pytest.mark.parametrize("on_device", [False, True])
 def test_logit_bias_in_generate(model, on_device):
     """`generate` (what the bucketed engine runs): +100 forces a token, -100 bans one, greedy and sampled."""
-    from tutel_jax.serving import _generate as generate
+    from tutel_jax.serving import generate
     from tutel_jax.serving import SamplingParamError
     ids = np.array([[5, 17, 99]], np.int32)
     ref = generate(model, ids, 4, on_device=on_device).tokens[0].tolist()

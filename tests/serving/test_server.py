@@ -41,7 +41,7 @@ def client(server):
 
 def _offline(model, prompts, n):
     """Greedy reference: one batched `generate` (each row equals that prompt run alone)."""
-    from tutel_jax.serving import _generate as generate
+    from tutel_jax.serving import generate
     T = max(map(len, prompts))
     ids = np.zeros((len(prompts), T), np.int32)
     mask = np.zeros_like(ids)

@@ -12,7 +12,7 @@ import pytest
 
 from support.paths import HF
 from tutel_jax.models import from_pretrained
-from tutel_jax.serving import _generate as generate, left_align, _steps as steps
+from tutel_jax.serving import generate, left_align, _steps as steps
 from tutel_jax.serving._continuous import ContinuousBatcher, Request
 from tutel_jax.serving._generate import left_pad
 

@@ -11,8 +11,7 @@ import optax
 import pytest
 
 from tutel_jax import make_config
-from tutel_jax.runtime import RuntimeConfig
-from tutel_jax.runtime import MoETrainer
+from tutel_jax.runtime import RuntimeConfig, MoETrainer
 
 from support.trainer_problem import batch, loss_fn, problem_params  # noqa: E402
 

@@ -9,8 +9,10 @@ from ._torch_zip import CheckpointFormatError, UnsafeCheckpointError, load_torch
 from ._orbax_io import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from ._safetensors_write import (HF_MAX_SHARD_BYTES, TensorInfo, plan_shards, shard_is_complete, write_index,
                                  write_shard)
+from ._tutel_format import NUM_EXPERTS_KEY, params_to_state_dict, read_state_dict, state_dict_to_params
 
-__all__ = ["DTYPES", "DTYPE_BITS", "HF_MAX_SHARD_BYTES", "TensorInfo", "all_steps", "latest_step", "open_checkpoint",
+__all__ = ["NUM_EXPERTS_KEY", "params_to_state_dict", "read_state_dict", "state_dict_to_params", "DTYPES",
+           "DTYPE_BITS", "HF_MAX_SHARD_BYTES", "TensorInfo", "all_steps", "latest_step", "open_checkpoint",
            "plan_shards", "restore_checkpoint", "save_checkpoint", "shard_is_complete", "write_index", "write_shard",
            "load_torch_file", "save_torch_file", "CheckpointFormatError", "UnsafeCheckpointError",
            "NonFiniteTensorError", "resolve_inside", "gather_state_dicts", "load_tutel_rank_files",

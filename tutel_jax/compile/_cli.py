@@ -33,10 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..layer import _execution as execution
-from ..models import check_quantization_config
-from ..models import checkpoint_layout, stored_float_dtype
-from ..models import spec_from_config
+from ..layer import execution
+from ..models import check_quantization_config, checkpoint_layout, stored_float_dtype, spec_from_config
 from ._driver import compile_model
 from ._hardware import HARDWARE
 from ._report import format_table, gib

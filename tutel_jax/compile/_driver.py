@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from ..quant import _weights as quant_weights
-from ..models import cache_dims
-from ..models import num_experts_of
+from .. import quant
+from ..models import cache_dims, num_experts_of
 from ._programs import Step, build_steps
 from ._report import COLLECTIVES, analyze
 from ._roofline import roofline
@@ -229,5 +228,5 @@ def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: in
 
 def _parameters(params: Any) -> int:
     """Logical parameter count (a packed weight counts its unpacked values: [..., out, in] of its container)."""
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=quant_weights.is_quantized)
-    return int(sum(math.prod(quant_weights.logical_shape(w)) for w in leaves))
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=quant.is_quantized)
+    return int(sum(math.prod(quant.logical_shape(w)) for w in leaves))

@@ -27,10 +27,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..models import cache_dims
-from ..models import decoder_layer, embed, head
-from ..models import LayerPrograms, program_table
-from ..models import AttnContext
+from ..models import cache_dims, decoder_layer, embed, head, LayerPrograms, program_table, AttnContext
 from ._weights import AbstractModel
 
 __all__ = ["Part", "Step", "build_steps", "MODES", "LEARNING_RATE"]

@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ..models import cache_dims
 from ._hardware import Hardware
 from ._weights import AbstractModel, per_device_bytes
@@ -72,7 +72,7 @@ def _global_bytes(tree: Any) -> int:
 
 def _leaves(tree: Any) -> list:
     """Weights with quantized containers kept whole (their logical shape is the matrix's)."""
-    return jax.tree_util.tree_leaves(tree, is_leaf=quant_weights.is_quantized)
+    return jax.tree_util.tree_leaves(tree, is_leaf=quant.is_quantized)
 
 
 def _dense(tree: Any) -> tuple[int, float]:
@@ -83,7 +83,7 @@ def _dense(tree: Any) -> tuple[int, float]:
     for w in _leaves(tree):
         b, g = per_device_bytes(w), _global_bytes(w)
         nbytes += b
-        shape = quant_weights.logical_shape(w)
+        shape = quant.logical_shape(w)
         if len(shape) >= 2 and g:
             params += math.prod(shape) * b / g
     return nbytes, params
@@ -92,8 +92,8 @@ def _dense(tree: Any) -> tuple[int, float]:
 def _expert(tree: Any, experts: int) -> tuple[float, int]:
     """(stored bytes, matmul parameters) of one routed expert of a stacked [E, ...] tree: biases and scales
     included in the bytes; matrices (2-D or more per expert) in the parameters."""
-    params = sum(math.prod(quant_weights.logical_shape(w)[1:]) for w in _leaves(tree)
-                 if len(quant_weights.logical_shape(w)) >= 3)
+    params = sum(math.prod(quant.logical_shape(w)[1:]) for w in _leaves(tree)
+                 if len(quant.logical_shape(w)) >= 3)
     return _global_bytes(tree) / experts, params
 
 

@@ -30,17 +30,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ..layer import make_config
-from ..models import from_pretrained
+from ..models import (from_pretrained, moe_hidden_size, attention_table, mlp_prefix, num_experts_of, QuantizedTensors,
+                      checkpoint_layout, hf_tensor_shapes, DecoderSpec, spec_from_config)
 from ..models.families import family_of
-from ..models import moe_hidden_size
-from ..models import attention_table, mlp_prefix
-from ..models import num_experts_of
-from ..models import QuantizedTensors
-from ..models import checkpoint_layout
-from ..models import hf_tensor_shapes
-from ..models import DecoderSpec, spec_from_config
 
 __all__ = ["AbstractModel", "abstract_model", "abstract_tensors", "loader_moe_options", "per_device_bytes",
            "DTYPES"]
@@ -80,7 +74,7 @@ def _attention(on_disk: dict[str, Any], spec: DecoderSpec) -> dict[str, Any]:
     """`param_layout.to_memory` on abstract values: float q/k/v fused."""
     out = dict(on_disk)
     qkv = [on_disk.get(f"{n}_proj") for n in "qkv"]
-    if spec.mla is None and all(w is not None and not quant_weights.is_quantized(w) for w in qkv):
+    if spec.mla is None and all(w is not None and not quant.is_quantized(w) for w in qkv):
         ws = [out.pop(f"{n}_proj") for n in "qkv"]
         out["qkv_proj"] = _sds((sum(w.shape[0] for w in ws), ws[0].shape[1]), ws[0].dtype)
         if "q_bias" in out:
@@ -90,14 +84,14 @@ def _attention(on_disk: dict[str, Any], spec: DecoderSpec) -> dict[str, Any]:
 
 
 def _format(values: list[Any]) -> str | None:
-    formats = {getattr(v, "format", None) if quant_weights.is_quantized(v) else None for v in values}
+    formats = {getattr(v, "format", None) if quant.is_quantized(v) else None for v in values}
     if len(formats) > 1:
         raise ValueError(f"mixed weight formats {sorted(map(str, formats))}")
     return formats.pop()
 
 
 def _stacked(w: Any, count: int) -> Any:
-    """`quant_weights.stack` of `count` experts like `w`: a leading axis on every field."""
+    """`quant.stack` of `count` experts like `w`: a leading axis on every field."""
     return jax.tree_util.tree_map(lambda a: _sds((count,) + tuple(a.shape), a.dtype), w)
 
 
@@ -170,7 +164,7 @@ def _place(part: str, value: Any, dtype: Any, mesh: Mesh, expert_axis: str, shar
     dtypes); 'experts' split on their leading axis over `expert_axis`, the rest replicated (or, with
     `shard_dense`, the non-MoE weights split by `_dense_sharding`)."""
     def one(a):
-        dt = a.dtype if quant_weights.is_quantized(value) or not jnp.issubdtype(a.dtype, jnp.floating) else dtype
+        dt = a.dtype if quant.is_quantized(value) or not jnp.issubdtype(a.dtype, jnp.floating) else dtype
         if part == "experts":
             if a.shape[0] % mesh.shape[expert_axis]:
                 raise ValueError(f"{a.shape[0]} experts cannot be split over mesh axis {expert_axis!r} of size "
@@ -215,7 +209,7 @@ def abstract_model(config: Mapping[str, Any], mesh: Mesh, expert_axis: str = "ex
             if "shared_experts" in raw:
                 layer["moe"]["shared_experts"] = jax.tree_util.tree_map(
                     lambda v: place("shared_experts", v, moe_config.dtype), raw["shared_experts"],
-                    is_leaf=quant_weights.is_quantized)
+                    is_leaf=quant.is_quantized)
             moe_configs.append(moe_config)
         else:
             mp = p + mlp_prefix(spec)

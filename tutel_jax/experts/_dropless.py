@@ -49,11 +49,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..core import _backends as backends
-from ..native import NativeKernelError
-from ..native import isa_in_effect
-from ..native import ensure_registered
-from ..native import int8_by_default
+from .. import core
+from ..native import NativeKernelError, isa_in_effect, ensure_registered, int8_by_default
 from ..routing import RoutingPlan, align_capacity
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
@@ -161,7 +158,7 @@ def extend_for_cpu(capacities: Sequence[int], num_tokens: int, num_experts: int,
     to the ragged path, when an [E, S, M] buffer of `row_bytes`-byte rows is at most CPU_FULL_BUFFER_BYTES
     (e.g. the prefill of a short prompt whose tokens crowd onto a few experts)."""
     caps = tuple(capacities)
-    if (backends.platform() != "cpu" or caps[-1] >= num_tokens
+    if (core.platform() != "cpu" or caps[-1] >= num_tokens
             or num_experts * num_tokens * row_bytes > CPU_FULL_BUFFER_BYTES):
         return caps
     return caps + tuple(sorted({min(2 * caps[-1], num_tokens), num_tokens}))
@@ -179,9 +176,9 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
     (each expert dequantized on its own, never a whole layer at once), whatever the batch; for float experts
     'loop' when the k*S assignments are at most CPU_LOOP_MAX_ROWS_PER_EXPERT x E (decode: each used expert's
     weights read once, idle experts skipped), else 'bucketed' when the experts have `grouped` (for the overflow
-    fallback); 'ragged' on other backends."""
+    fallback); 'ragged' on other core."""
     if impl == "auto":
-        if backends.platform() != "cpu":
+        if core.platform() != "cpu":
             return "ragged"
         weight_format = getattr(experts, "weight_format", None)
         if weight_format is not None and experts.supports("grouped"):
@@ -207,9 +204,9 @@ def check_native(experts: Any) -> None:
     """Raises ValueError unless dropless_impl='native' can run `experts` here (CPU, experts with a `native`
     method: SwiGLU with silu or GPT-OSS, float or packed), and `native.NativeKernelError` when the kernel cannot
     be built (it is compiled here on first use)."""
-    if backends.platform() != "cpu":
+    if core.platform() != "cpu":
         raise ValueError(f"dropless_impl='native' is a CPU kernel; this program is compiled for "
-                         f"{backends.platform()!r}")
+                         f"{core.platform()!r}")
     if not experts.supports("native"):
         raise ValueError(f"dropless_impl='native' runs SwiGLU (silu) or GPT-OSS experts, float or packed; got "
                          f"{experts.type_name}")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ._base import Experts, _activation, register_experts
 from ._grouped_linear import Batched, Gathered, Grouped, Mode
 from ..native import moe_experts
@@ -36,7 +36,7 @@ def _uniform(key, shape, fan_in, dtype):
 
 def _random_quantized(key, shape, fan_in, weight_format):
     bound = fan_in ** -0.5
-    return quant_weights.quantize(jax.random.uniform(key, shape, jnp.float32, -bound, bound), weight_format)
+    return quant.quantize(jax.random.uniform(key, shape, jnp.float32, -bound, bound), weight_format)
 
 
 class _GLUExperts(Experts):
@@ -195,7 +195,7 @@ class GptOssExperts(_GLUExperts):
 def _swiglu_factory(hidden_size_per_expert, activation_fn=None, output_dim=None, kernel_backend=None,
                     weight_format=None):
     return SwiGLUExperts(hidden_size_per_expert, _activation(activation_fn, "silu"), output_dim, kernel_backend,
-                         quant_weights.check_format(weight_format, "experts['weight_format']"))
+                         quant.check_format(weight_format, "experts['weight_format']"))
 
 
 def _gpt_oss_factory(hidden_size_per_expert, swiglu_limit=7.0, swiglu_alpha=1.702, output_dim=None,
@@ -204,7 +204,7 @@ def _gpt_oss_factory(hidden_size_per_expert, swiglu_limit=7.0, swiglu_alpha=1.70
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"experts['{name}'] must be a positive number, got {value!r}")
     return GptOssExperts(hidden_size_per_expert, float(swiglu_alpha), float(swiglu_limit), output_dim,
-                         kernel_backend, quant_weights.check_format(weight_format, "experts['weight_format']"))
+                         kernel_backend, quant.check_format(weight_format, "experts['weight_format']"))
 
 
 register_experts("swiglu", _swiglu_factory)

@@ -21,7 +21,7 @@ change the kernels and the checkpoint mapping. This module hides the difference,
 (`experts.FFNExperts`, `LlamaFFNExperts`, `experts_glu.SwiGLUExperts`, `GptOssExperts`) is written once over
 `Batched` / `Grouped` / `Gathered` (each a `linear(x, w)` and a per-row `bias(b, dtype)`).
 
-Backends: `backend` resolves through `backends.kernels` (None / "auto": the kernels of the platform the program
+Backends: `backend` resolves through `core.kernels` (None / "auto": the kernels of the platform the program
 is compiled for; "xla": plain XLA): `grouped_linear` runs float weights through `pallas_kernels.gmm` or, for plain
 XLA, `lax.ragged_dot`, and packed weights through `pallas_kernels.quant_gmm` (its kernel, or its float32 XLA
 reference). The native CPU kernel takes a whole SwiGLU layer (`tutel_jax.native.moe_swiglu`) and is chosen as
@@ -38,8 +38,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-from ..core import _backends as backends
-from ..quant import _weights as quant_weights
+from .. import core, quant
 from ..routing import group_row_experts
 
 __all__ = ["batched_linear", "grouped_linear", "gathered_linear", "Batched", "Grouped", "Gathered", "Mode"]
@@ -52,16 +51,16 @@ def _kernel_view(w: jax.Array) -> jax.Array:
 
 def batched_linear(x: jax.Array, w: Any, *, out_in: bool = False, backend: str | None = None) -> jax.Array:
     """x [E, C, K] through each expert's weight -> [E, C, N] in x's dtype. Packed weights go through the grouped
-    quantized kernel (C rows per expert) where `backend` resolves to kernels (`backends.kernels`), so the
+    quantized kernel (C rows per expert) where `backend` resolves to kernels (`core.kernels`), so the
     capacity path never dequantizes a whole layer on a GPU or TPU; elsewhere they are dequantized in XLA."""
-    if quant_weights.is_quantized(w) and (kernels := backends.kernels(backend)) is not None:
+    if quant.is_quantized(w) and (kernels := core.kernels(backend)) is not None:
         num_experts, capacity, _ = x.shape
         sizes = jnp.full((num_experts,), capacity, jnp.int32)
         rows = pallas_kernels.quant_gmm(x.reshape(num_experts * capacity, -1), w, sizes, out_dtype=x.dtype,
                                         implementation=kernels)
         return rows.reshape(num_experts, capacity, -1)
-    if quantized := quant_weights.is_quantized(w):
-        w = quant_weights.dequantize(w, x.dtype)
+    if quantized := quant.is_quantized(w):
+        w = quant.dequantize(w, x.dtype)
     if quantized or out_in:
         return jnp.einsum("eck,enk->ecn", x, w if quantized else w.astype(x.dtype))
     return jnp.einsum("eck,ekn->ecn", x, _kernel_view(w).astype(x.dtype))
@@ -71,8 +70,8 @@ def grouped_linear(x: jax.Array, w: Any, group_sizes: jax.Array, backend: str | 
                    out_in: bool = False) -> jax.Array:
     """x [R, K] with rows sorted by expert (group_sizes [E] rows each) -> [R, N]; rows past sum(group_sizes)
     come out as zeros."""
-    backend = backends.kernels(backend)  # the compile platform's kernels unless set
-    if quant_weights.is_quantized(w):
+    backend = core.kernels(backend)  # the compile platform's kernels unless set
+    if quant.is_quantized(w):
         return pallas_kernels.quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype,
                                         implementation="xla" if backend is None else backend)
     w = jnp.swapaxes(w, 1, 2) if out_in else _kernel_view(w)
@@ -84,9 +83,9 @@ def grouped_linear(x: jax.Array, w: Any, group_sizes: jax.Array, backend: str | 
 def gathered_linear(x: jax.Array, w: Any, expert_ids: jax.Array, *, out_in: bool = False) -> jax.Array:
     """x [R, K], row r through expert expert_ids[r] -> [R, N]; only the R chosen experts' (packed) weights are
     read (and dequantized)."""
-    if quant_weights.is_quantized(w):
+    if quant.is_quantized(w):
         rows = jax.tree_util.tree_map(lambda a: a[expert_ids], w)
-        return jnp.einsum("rk,rnk->rn", x, quant_weights.dequantize(rows, x.dtype))
+        return jnp.einsum("rk,rnk->rn", x, quant.dequantize(rows, x.dtype))
     if out_in:
         return jnp.einsum("rk,rnk->rn", x, w[expert_ids].astype(x.dtype))
     return jnp.einsum("rk,rkn->rn", x, _kernel_view(w[expert_ids]).astype(x.dtype))

@@ -10,9 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..quant import _weights as quant_weights
-from ..native import dense, worth_it
-from ..native import int8_by_default
+from .. import quant
+from ..native import dense, worth_it, int8_by_default
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "native_activations"]
 
@@ -48,5 +47,5 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     activations = native_activations(x, w, impl)
     if activations is not None:
         return dense(x, w, b, rows=True, activations=activations).astype(x.dtype)
-    y = quant_weights.dense(x, w) if quant_weights.is_quantized(w) else jnp.einsum("...k,nk->...n", x, w)
+    y = quant.dense(x, w) if quant.is_quantized(w) else jnp.einsum("...k,nk->...n", x, w)
     return y if b is None else y + b

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ._base import _activation
 from ._linear import linear
 from ..validation import check_int
@@ -48,7 +48,7 @@ class SharedExperts:
                   "up_proj": u(keys[1], (self.hidden_size, model_dim), model_dim),
                   "down_proj": u(keys[2], (output_dim, self.hidden_size), self.hidden_size)}
         if self.weight_format is not None:
-            params.update({name: quant_weights.quantize(params[name].astype(jnp.float32), self.weight_format)
+            params.update({name: quant.quantize(params[name].astype(jnp.float32), self.weight_format)
                            for name in ("gate_proj", "up_proj", "down_proj")})
         if self.gate:
             params["gate"] = {"weight": u(keys[3], (1, model_dim), model_dim)}
@@ -83,6 +83,6 @@ def make_shared_experts(spec: Any) -> SharedExperts:
                          "weight_format")
     hidden = options.get("hidden_size")
     check_int(hidden, "experts['shared']['hidden_size']", minimum=1)
-    weight_format = quant_weights.check_format(options.get("weight_format"), "experts['shared']['weight_format']")
+    weight_format = quant.check_format(options.get("weight_format"), "experts['shared']['weight_format']")
     return SharedExperts(hidden, bool(options.get("gate", False)), _activation(options.get("activation_fn"), "silu"),
                          weight_format)

@@ -7,5 +7,7 @@ from ._execution import Execution
 from ._pipeline import MoEAux, init_params, moe_apply, moe_pipeline, route, empty_result, routing_args
 from ._expert_paths import run_routed_experts
 
-__all__ = ["empty_result", "routing_args", "run_routed_experts", "valid_adaptive_degrees", "MoEConfig", "make_config",
-           "MoEAux", "init_params", "moe_apply", "moe_pipeline", "route", "Execution"]
+from . import _execution as execution  # the Execution record, its resolution and CLI flags
+
+__all__ = ["execution", "empty_result", "routing_args", "run_routed_experts", "valid_adaptive_degrees", "MoEConfig",
+           "make_config", "MoEAux", "init_params", "moe_apply", "moe_pipeline", "route", "Execution"]

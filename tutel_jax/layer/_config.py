@@ -8,12 +8,9 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from ..experts import _glu as _experts_glu  # noqa: F401  (registers the 'swiglu' and 'gpt_oss' expert types)
-from ..experts import impl_names, resolve_impl
+from ..experts import impl_names, resolve_impl, Experts, as_experts, make_experts, SharedExperts, make_shared_experts
 from ._execution import check_kernel_backend
-from ..experts import Experts, as_experts, make_experts
 from ..routing import Gate, make_gate
-from ..experts import SharedExperts, make_shared_experts
 from ..validation import check_int
 
 __all__ = ["MoEConfig", "make_config"]

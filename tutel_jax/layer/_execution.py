@@ -12,10 +12,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from ..core import KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels
-from ..core import DROPLESS_EXCHANGES
-from ..experts import impl_names
-from ..experts import DENSE_IMPLS
+from ..core import (KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels,
+                    DROPLESS_EXCHANGES)
+from ..experts import impl_names, DENSE_IMPLS
 from ..validation import check_int
 
 __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Execution", "add_arguments", "from_arguments",

@@ -14,13 +14,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ..core import CallOptions
+from ..core import CallOptions, LOCAL, TokenGroup
 from ._config import MoEConfig
 from ._expert_paths import run_experts_buffered, run_experts_dropless, run_routed_experts
-from ..routing import RoutingPlan
-from ..routing import PLAN, Gate, as_gate
-from ..routing import route_tokens, zero_losses
-from ..core import LOCAL, TokenGroup
+from ..routing import RoutingPlan, PLAN, Gate, as_gate, route_tokens, zero_losses
 from ..validation import check_capacity_factor, check_input, check_int
 
 __all__ = ["MoEAux", "init_params", "moe_apply", "moe_pipeline", "run_routed_experts", "run_experts_buffered",

@@ -25,16 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..layer import MoEConfig
+from ..layer import MoEConfig, MoEAux, moe_apply
 from ..runtime import LOAD_RATIO_KEY, load_ratio
-from ..layer import MoEAux, moe_apply
-from ..models import CausalLM
-from ..models import forward
-from ..models import save_pretrained
-from ..models import load_params
-from ..models import AttnContext
-from ..models import random_hf_tensors
-from ..models import spec_from_config
+from ..models import CausalLM, forward, save_pretrained, load_params, AttnContext, random_hf_tensors, spec_from_config
 from ._byte_tokenizer import VOCAB_SIZE, write_tokenizer
 from ..validation import check_int
 

@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..native import _attention as native_attention
-from ..quant import _weights as quant_weights
+from ..native import attends_natively, decode_attention
+from .. import quant
 from ._layers import AttnContext, apply_rope, attend, linear, rms_norm, write_cache
 from ._spec import DecoderSpec
 
@@ -71,9 +71,9 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     if spec.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
-    if cache is not None and spec.dense_impl != "xla" and native_attention.worth_it(q, cache["k"]):
+    if cache is not None and spec.dense_impl != "xla" and attends_natively(q, cache["k"]):
         # a decode step on CPU: the cache update and the attention over it in one native call, in place
-        o, ck, cv = native_attention.decode_attention(q, k, v, cache["k"], cache["v"], ctx.index, ctx.key_valid,
+        o, ck, cv = decode_attention(q, k, v, cache["k"], cache["v"], ctx.index, ctx.key_valid,
                                                       D ** -0.5, window=window, sinks=p.get("sinks"))
         o, cache = o.astype(cache["v"].dtype), {"k": ck, "v": cv}
     else:
@@ -85,7 +85,7 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
 def _kv_b_heads(w: Any, heads: int, dtype: Any) -> jax.Array:
     """kv_b_proj as `dtype` [H, nope + v, kv_lora] (out, in per head) from the weight [H*(nope+v), kv_lora], float
     or a packed container (dequantized: kv_lora x H*(nope+v) values, a few MB per layer)."""
-    w = quant_weights.dequantize(w, dtype) if quant_weights.is_quantized(w) else jnp.asarray(w, dtype)
+    w = quant.dequantize(w, dtype) if quant.is_quantized(w) else jnp.asarray(w, dtype)
     return w.reshape(heads, -1, w.shape[-1])
 
 

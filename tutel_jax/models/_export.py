@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ._hf_tables import attention_table, mlp_prefix
 from ._moe_block import hf_moe_block_tensors
 from ._param_layout import to_disk
@@ -29,8 +29,8 @@ __all__ = ["hf_tensors", "save_pretrained"]
 def hf_tensors(model: Any) -> dict[str, np.ndarray]:
     """{on-disk name: NumPy array} of a float CausalLM (the model's dtype)."""
     params, spec = model.params, model.spec
-    if any(quant_weights.is_quantized(w) for w in jax.tree_util.tree_leaves(params,
-                                                                            is_leaf=quant_weights.is_quantized)):
+    if any(quant.is_quantized(w) for w in jax.tree_util.tree_leaves(params,
+                                                                            is_leaf=quant.is_quantized)):
         raise ValueError("export writes float checkpoints only; this model holds quantized weights "
                          "(load it with from_pretrained(..., dequantize=True) to export float weights)")
     arr = lambda a: np.asarray(a)

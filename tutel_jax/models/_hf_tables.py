@@ -8,7 +8,7 @@ Layer parameters (`{i}` is the layer index in the on-disk names):
   ffn         'moe': the tutel-jax MoE block params (`moe_block.hf_moe_block`), or 'mlp': dense SwiGLU
               `{gate,up,down}_proj` under the family's FFN prefix
 Linear weights keep the on-disk [out, in] layout and GQA float q/k/v become one fused weight (`param_layout`);
-each tensor is then cast to the model dtype (quantized weights stay packed: `quant_weights` containers).
+each tensor is then cast to the model dtype (quantized weights stay packed: `quant` containers).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from .families import get_family
 from ._moe_block import num_experts_of, hf_moe_block
 from ._param_layout import to_memory
@@ -104,7 +104,7 @@ def _read(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...] |
     if name not in tensors:
         raise ValueError(f"checkpoint has no tensor {name!r}")
     value = tensors[name]
-    got = tuple(quant_weights.logical_shape(value))
+    got = tuple(quant.logical_shape(value))
     if shape is not None and got != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {got}; the config implies {tuple(shape)}")
     return value
@@ -124,7 +124,7 @@ def load_params(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], sp
     """
     disable = None if progress is None else not progress  # tqdm: None = off unless stderr is a terminal
 
-    place = place or (lambda part, value, dt: quant_weights.to_jax(value, dt))  # containers keep packed dtypes
+    place = place or (lambda part, value, dt: quant.to_jax(value, dt))  # containers keep packed dtypes
     cast = lambda a: place("dense", a, dtype)
     attn = attention_table(spec)
     shapes = expected_shapes(spec, config)

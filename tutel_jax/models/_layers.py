@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ..experts import DENSE_IMPLS, check_dense_impl, linear, native_activations
 from ..native import dense
 
@@ -39,8 +39,8 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
     activations = native_activations(x, table, impl)
     if activations is not None:
         return dense(x, table, rows=True, activations=activations).astype(x.dtype)
-    if quant_weights.is_quantized(table):
-        return quant_weights.dense(x, table)
+    if quant.is_quantized(table):
+        return quant.dense(x, table)
     return jnp.einsum("...m,vm->...v", x, table.astype(x.dtype))
 
 

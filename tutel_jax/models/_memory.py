@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from ..quant import _weights as quant_weights
+from .. import quant
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -40,7 +40,7 @@ def _expert_leaves(params: dict) -> list:
     out = []
     for layer in params["layers"]:
         if "moe" in layer:
-            out.extend(jax.tree_util.tree_leaves(layer["moe"]["experts"], is_leaf=quant_weights.is_quantized))
+            out.extend(jax.tree_util.tree_leaves(layer["moe"]["experts"], is_leaf=quant.is_quantized))
     return out
 
 
@@ -49,7 +49,7 @@ def memory_report(model: Any) -> MemoryReport:
     leaves = _expert_leaves(model.params)
     if not leaves:
         raise ValueError("the model has no MoE layers")
-    resident = quant_weights.resident_bytes(leaves)
-    bf16 = sum(2 * math.prod(quant_weights.logical_shape(w)) for w in leaves)
-    formats = sorted({w.format if quant_weights.is_quantized(w) else "float" for w in leaves})
-    return MemoryReport(resident, bf16, quant_weights.resident_bytes(model.params), tuple(formats))
+    resident = quant.resident_bytes(leaves)
+    bf16 = sum(2 * math.prod(quant.logical_shape(w)) for w in leaves)
+    formats = sorted({w.format if quant.is_quantized(w) else "float" for w in leaves})
+    return MemoryReport(resident, bf16, quant.resident_bytes(model.params), tuple(formats))

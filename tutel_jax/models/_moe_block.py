@@ -19,9 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..quant import _weights as quant_weights
-from ..layer import make_config
-from ..layer import init_params
+from .. import quant
+from ..layer import make_config, init_params
 from .families import family_of
 from ._family import moe_hidden_size
 
@@ -45,7 +44,7 @@ def _take(tensors: Mapping[str, Any], key: str) -> Any:
     if key not in tensors:
         raise ValueError(f"checkpoint has no tensor {key!r}")
     value = tensors[key]
-    return value if quant_weights.is_quantized(value) else np.asarray(value)
+    return value if quant.is_quantized(value) else np.asarray(value)
 
 
 def _format_of(values: list, what: str) -> str | None:
@@ -64,13 +63,13 @@ def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str,
     fmt = getattr(first, "format", None)
     del first
     if fmt is not None:
-        return {key: quant_weights.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)),
+        return {key: quant.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)),
                                          num_experts, what=f"{prefix}*.{n}")
                 for key, n in zip(("gate_proj", "up_proj", "down_proj"), names)}, fmt
 
     def float_weight(e: int, n: str) -> np.ndarray:
         w = _take(tensors, f"{prefix}{e}.{n}")
-        if quant_weights.is_quantized(w):
+        if quant.is_quantized(w):
             raise ValueError(f"{prefix}{e}.{n} is {w.format}, unlike expert 0's {names[0]} (mixed weight formats)")
         return w
 
@@ -81,9 +80,9 @@ def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str,
         return np.stack([gate.T, up.T], axis=1)
 
     # float: [in, out] kernels, gate_up_proj [E, M, 2, I] and down_proj [E, I, M]
-    gate_up = quant_weights.stack((gate_and_up(e) for e in range(num_experts)), num_experts,
+    gate_up = quant.stack((gate_and_up(e) for e in range(num_experts)), num_experts,
                                   what=f"{prefix}*.{names[0]}+{names[1]}")
-    down = quant_weights.stack((float_weight(e, names[2]).T for e in range(num_experts)), num_experts,
+    down = quant.stack((float_weight(e, names[2]).T for e in range(num_experts)), num_experts,
                                what=f"{prefix}*.{names[2]}")
     return {"gate_up_proj": gate_up, "down_proj": down}, None
 
@@ -146,7 +145,7 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
     _check_against_template(moe_config, raw)  # before anything is put on a device
     fp32_gate = moe_config.gates[0].fp32_gate
     gate_dtype = lambda name: np.float32 if name == "e_score_correction_bias" or fp32_gate else moe_config.dtype
-    place = place or (lambda part, value, dt: quant_weights.to_jax(value, dt))
+    place = place or (lambda part, value, dt: quant.to_jax(value, dt))
     params = {"gates": [{n: place("gates", v, gate_dtype(n)) for n, v in gate_params.items()}],
               "experts": {n: place("experts", v, moe_config.dtype) for n, v in expert_params.items()}}
     if shared_params is not None:
@@ -177,7 +176,7 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
     Quantized expert weights: ValueError (export writes float checkpoints only).
     """
     family = family_of(config)
-    if any(quant_weights.is_quantized(v) for v in _leaves(params)):
+    if any(quant.is_quantized(v) for v in _leaves(params)):
         raise ValueError(f"layer {layer}: quantized expert weights cannot be exported (float checkpoints only)")
     arr = lambda a: np.asarray(a)
     gate, experts = params["gates"][0], params["experts"]
@@ -208,8 +207,8 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
 
 def _tree_map(fn, tree: Any) -> Any:
     """tree_map that keeps quantized containers whole."""
-    return jax.tree_util.tree_map(fn, tree, is_leaf=quant_weights.is_quantized)
+    return jax.tree_util.tree_map(fn, tree, is_leaf=quant.is_quantized)
 
 
 def _leaves(tree: Any) -> list:
-    return jax.tree_util.tree_leaves(tree, is_leaf=quant_weights.is_quantized)
+    return jax.tree_util.tree_leaves(tree, is_leaf=quant.is_quantized)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ._spec import DecoderSpec
 
 __all__ = ["qkv_sizes", "to_memory", "to_disk"]
@@ -25,7 +25,7 @@ _QKV = ("q", "k", "v")
 
 
 def _fusable(spec: DecoderSpec, attn: Mapping[str, Any]) -> bool:
-    return spec.mla is None and all(f"{n}_proj" in attn and not quant_weights.is_quantized(attn[f"{n}_proj"])
+    return spec.mla is None and all(f"{n}_proj" in attn and not quant.is_quantized(attn[f"{n}_proj"])
                                     for n in _QKV)
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..quant import _weights as quant_weights
+from .. import quant
 
 __all__ = ["MeshPlacement"]
 
@@ -52,7 +52,7 @@ class MeshPlacement:
         return jax.make_array_from_callback(a.shape, self.expert_sharding, lambda index: a[index])
 
     def __call__(self, part: str, value: Any, dtype: Any) -> Any:
-        if quant_weights.is_quantized(value):  # packed fields keep their dtypes
+        if quant.is_quantized(value):  # packed fields keep their dtypes
             put = self._sharded if part == "experts" else (lambda a: jax.device_put(a, self.replicated))
             return jax.tree_util.tree_map(lambda a: put(np.asarray(a)), value)
         a = _host(value, dtype)

@@ -22,8 +22,7 @@ from typing import Any
 from pallas_kernels.quant import FORMATS, format_for_method
 from pallas_kernels.quant.formats import TensorSite
 
-from ..checkpoint import DTYPE_BITS
-from ..checkpoint import TensorInfo
+from ..checkpoint import DTYPE_BITS, TensorInfo
 from .families import family_of
 from ._hf_tables import implied_tensor_count
 from ._moe_block import num_experts_of

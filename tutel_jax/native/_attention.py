@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import _backends as backends
+from .. import core
 from ..core import varying_like
 from ._build import can_register, register
 from ._weights import FLOAT_DTYPES, check_max_workers
 
-__all__ = ["decode_attention", "worth_it", "CACHE_DTYPES"]
+__all__ = ["decode_attention", "attends_natively", "CACHE_DTYPES"]
 
 TARGET = "tutel_jax_decode_attention"
 _LIBRARY = ("attention_cpu", "TutelJaxDecodeAttention", TARGET)  # the source, its handler, the FFI target
@@ -33,10 +33,10 @@ def ensure_registered() -> None:
     register(*_LIBRARY)
 
 
-def worth_it(q: jax.Array, cache: jax.Array) -> bool:
+def attends_natively(q: jax.Array, cache: jax.Array) -> bool:
     """The kernel's case: CPU, one query token, a float32 or bfloat16 cache, and the kernel can be built (a
     TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError)."""
-    return (q.shape[1] == 1 and jnp.dtype(cache.dtype) in CACHE_DTYPES and backends.platform() == "cpu"
+    return (q.shape[1] == 1 and jnp.dtype(cache.dtype) in CACHE_DTYPES and core.platform() == "cpu"
             and can_register(*_LIBRARY))
 
 

@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import _backends as backends
-from ..quant import _weights as quant_weights
+from .. import core, quant
 from ..core import varying_like
 from ._build import can_register, register
 from ._weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
@@ -40,14 +39,14 @@ def ensure_registered() -> None:
 def available() -> bool:
     """True when the kernel is (or can be) built and registered here (CPU backend and a C++ compiler). A
     TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError instead."""
-    return backends.platform() == "cpu" and can_register(*_LIBRARY)
+    return core.platform() == "cpu" and can_register(*_LIBRARY)
 
 
 def worth_it(x: jax.Array, w: Any) -> bool:
     """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads."""
     if math.prod(x.shape[:-1]) > MAX_ROWS or unsupported(w) is not None:
         return False
-    if not quant_weights.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):
+    if not quant.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):
         return False  # float32 matvecs XLA streams well
     return available()
 
@@ -58,10 +57,10 @@ def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = Fals
     packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
     workers = check_max_workers(max_workers, "dense")
     int8 = check_activations(activations, "dense")
-    shape = quant_weights.logical_shape(w)
+    shape = quant.logical_shape(w)
     if len(shape) != 2:
         raise ValueError(f"dense: expected a 2-d weight, got {shape}")
-    n, k = shape if rows or quant_weights.is_quantized(w) else shape[::-1]
+    n, k = shape if rows or quant.is_quantized(w) else shape[::-1]
     if x.shape[-1] != k:
         raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match the weight's K={k}")
     if b is not None and tuple(b.shape) != (n,):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ..core import varying_like
 from ._build import register
 from ._weights import FLOAT_DTYPES, bias_arg, check_activations, check_max_workers, empty, weight_args
@@ -37,10 +37,10 @@ def ensure_registered() -> None:
 
 def _out_in(w: Any, num_experts: int) -> tuple[int, int]:
     """(N, K) of an expert weight: float kernels are [E, K, N], packed containers [E, N, K]."""
-    shape = quant_weights.logical_shape(w)
+    shape = quant.logical_shape(w)
     if len(shape) != 3 or shape[0] != num_experts:
         raise ValueError(f"moe_experts: expected expert weights [E={num_experts}, ., .], got {shape}")
-    return (shape[1], shape[2]) if quant_weights.is_quantized(w) else (shape[2], shape[1])
+    return (shape[1], shape[2]) if quant.is_quantized(w) else (shape[2], shape[1])
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array, w1: Any, w2: Any, *,
@@ -76,13 +76,13 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
             or expert_ids.shape[1] != num_tokens:
         raise ValueError(f"moe_experts: expert_ids, enc and dec must be [K, S={num_tokens}], got "
                          f"{tuple(expert_ids.shape)}, {tuple(enc.shape)}, {tuple(dec.shape)}")
-    num_experts = quant_weights.logical_shape(w2)[0]
+    num_experts = quant.logical_shape(w2)[0]
     parts = [w1] if up is None else [w1, up]
     n1 = [_out_in(w, num_experts) for w in parts]
     mo, hidden = _out_in(w2, num_experts)
     if any(k != model_dim for _, k in n1) or sum(n for n, _ in n1) != 2 * hidden:
         raise ValueError(f"moe_experts: W1 must map M={model_dim} to 2I={2 * hidden} outputs (W2 is [I={hidden} -> "
-                         f"{mo}]), got {[quant_weights.logical_shape(w) for w in parts]}")
+                         f"{mo}]), got {[quant.logical_shape(w) for w in parts]}")
     args1 = [weight_args(w) for w in parts]
     args2 = weight_args(w2)
     if len({a[0] for a in args1}) != 1:

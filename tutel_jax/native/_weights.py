@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant import format_of
-from pallas_kernels.quant.formats import FORMATS, absent, _fp8_block as fp8_block, _mxfp4 as mxfp4, _nvfp4 as nvfp4
+from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp4
 
-from ..quant import _weights as quant_weights
+from .. import quant
 from ..validation import check_int
 from ._build import int8_pays_off
 
@@ -47,7 +47,7 @@ def int8_capable(w_or_format: Any) -> bool:
     name such as an experts' `weight_format`): FP4 formats (MXFP4, NVFP4); float and FP8 weights always take
     float32 activations."""
     fmt = FORMATS.get(w_or_format) if isinstance(w_or_format, str) else (
-        format_of(w_or_format) if quant_weights.is_quantized(w_or_format) else None)
+        format_of(w_or_format) if quant.is_quantized(w_or_format) else None)
     return fmt is not None and fmt.native_int8
 
 
@@ -83,7 +83,7 @@ def empty() -> jax.Array:
 
 def unsupported(w: Any) -> str | None:
     """Why the kernels cannot read `w` (None: they can)."""
-    if quant_weights.is_quantized(w):
+    if quant.is_quantized(w):
         return None
     if jnp.dtype(w.dtype) not in FLOAT_DTYPES:
         return f"{jnp.dtype(w.dtype)} weights (float32, bfloat16 or packed only)"
@@ -96,7 +96,7 @@ def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, 
     reason = unsupported(w)
     if reason is not None:
         raise ValueError(f"the native kernels cannot read {reason}")
-    if not quant_weights.is_quantized(w):
+    if not quant.is_quantized(w):
         if rows:
             return (FLOAT32_ROWS if w.dtype == jnp.float32 else BFLOAT16_ROWS), w, empty(), empty()
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._nnx import _unbox, _wrap_params
-from ..models import CausalLM
-from ..models import context_from_mask, forward
+from ..models import CausalLM, context_from_mask, forward
 
 __all__ = ["NNXCausalLM"]
 

@@ -15,8 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..layer import make_config
-from ..layer import init_params, moe_apply
+from ..layer import make_config, init_params, moe_apply
 from ..routing import as_gate
 
 __all__ = ["MoELinen"]

@@ -15,15 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..checkpoint import _tutel_format as tutel_format
-from ..checkpoint import save_torch_file
-from ..layer import MoEConfig, make_config
-from ..layer import MoEAux, init_params, moe_apply
+from ..checkpoint import (NUM_EXPERTS_KEY, params_to_state_dict, read_state_dict, save_torch_file,
+                          state_dict_to_params)
+from ..layer import MoEConfig, make_config, MoEAux, init_params, moe_apply
 from ..core import update_correction_bias
 from ..parallel import ExpertParallel, moe_apply_parallel, shard_params
 from ..runtime import reconfigure_layer
-from ..routing import as_gate
-from ..routing import CORRECTION_BIAS
+from ..routing import as_gate, CORRECTION_BIAS
 
 __all__ = ["MoE", "RoutingStat", "RouterState"]
 
@@ -129,8 +127,8 @@ class MoE(nnx.Module):
             rngs = nnx.Rngs(0) if rngs is None else rngs
             params = init_params(self.config, rngs.params())
         if scan_expert_func is not None:
-            for name, value in tutel_format.params_to_state_dict(params["experts"], 0, "experts.").items():
-                if not name.endswith(tutel_format.NUM_EXPERTS_KEY):
+            for name, value in params_to_state_dict(params["experts"], 0, "experts.").items():
+                if not name.endswith(NUM_EXPERTS_KEY):
                     scan_expert_func(name, value)
         if group is not None:
             params = shard_params(params, group, self.config)
@@ -222,14 +220,14 @@ class MoE(nnx.Module):
         if param_type not in groups:
             raise ValueError(f"param_type must be one of {sorted(groups)}, got {param_type!r}")
         section = groups[param_type]
-        state = tutel_format.params_to_state_dict({section: self.param_tree()[section]}, 0)
+        state = params_to_state_dict({section: self.param_tree()[section]}, 0)
         for name, value in state.items():
-            if name != tutel_format.NUM_EXPERTS_KEY:
+            if name != NUM_EXPERTS_KEY:
                 yield name, value
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Tutel's state dict (host NumPy arrays) with Tutel's keys."""
-        return tutel_format.params_to_state_dict(self.param_tree(), self.config.num_global_experts)
+        return params_to_state_dict(self.param_tree(), self.config.num_global_experts)
 
     def load_state_dict(self, source: str | os.PathLike | Mapping[str, Any], prefix: str | None = None) -> None:
         """Loads a Tutel checkpoint: a `torch.save` file (read without torch) or a mapping of arrays.
@@ -237,8 +235,8 @@ class MoE(nnx.Module):
         Raises ValueError naming the key for a wrong expert count, a wrong shape, a missing or an unknown key,
         and for files that are not valid checkpoints; the layer is unchanged when anything is wrong.
         """
-        state = tutel_format.read_state_dict(source)
-        params = tutel_format.state_dict_to_params(state, self.param_tree(), self.config.num_global_experts, prefix)
+        state = read_state_dict(source)
+        params = state_dict_to_params(state, self.param_tree(), self.config.num_global_experts, prefix)
         if self.placement is not None:
             params = shard_params(params, self.placement, self.config)
         jax.tree.map(lambda var, value: var.set_value(jnp.asarray(value)), self.params, params,

@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..routing import _dispatch as dispatch
-from ..experts import _dropless as dropless
-from ..layer import MoEConfig
-from ..layer import run_routed_experts
+from .. import routing
+from ..experts import bucket_capacities, run_bucketed
+from ..layer import MoEConfig, run_routed_experts
 from ..routing import RoutingPlan, align_capacity
 from ._all_to_all import expert_all_to_all, expert_all_to_all_reverse
 from ._ragged_dropless import ragged_dropless_experts
@@ -69,12 +68,12 @@ class ExchangeRunner:
         num_tokens = tokens.shape[0]
         alignment = self.sharded_count * self.degree
         top = align_capacity(num_tokens, alignment)
-        caps = dropless.bucket_capacities(num_tokens, config.num_global_experts, plan.top_k, alignment=alignment,
+        caps = bucket_capacities(num_tokens, config.num_global_experts, plan.top_k, alignment=alignment,
                                           max_capacity=top)
         caps = caps + ((top,) if caps[-1] < top else ())
 
         def padded():
-            return dropless.run_bucketed(plan, caps, lambda p: self._run_at(expert_params, tokens, p, config),
+            return run_bucketed(plan, caps, lambda p: self._run_at(expert_params, tokens, p, config),
                                          need=plan.capacity)
 
         if self.collective is None:
@@ -85,14 +84,14 @@ class ExchangeRunner:
 
     def _run_at(self, expert_params: Any, tokens: jax.Array, plan: RoutingPlan, config: MoEConfig) -> jax.Array:
         """The capacity path through the exchange, in `degree` independent chunks of the capacity axis."""
-        buf = dispatch.fast_encode(tokens, plan, config.is_postscore, config.kernel_backend)
+        buf = routing.fast_encode(tokens, plan, config.is_postscore, config.kernel_backend)
         buf = buf.astype(tokens.dtype)  # [E, C, M]
         chunk = buf.shape[1] // self.degree
         # independent chunks: chunk i's exchange can overlap chunk i-1's expert compute
         outputs = [self._exchange_and_compute(buf[:, i * chunk:(i + 1) * chunk], expert_params, config)
                    for i in range(self.degree)]
         out = outputs[0] if self.degree == 1 else jnp.concatenate(outputs, axis=1)
-        return dispatch.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
+        return routing.fast_decode(out, plan, config.is_postscore, config.kernel_backend)
 
     def _exchange_and_compute(self, part: jax.Array, expert_params: Any, config: MoEConfig) -> jax.Array:
         """[E, c, M] slots -> [E, c, M_out] expert outputs, through the expert devices."""

@@ -29,11 +29,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core import CallOptions
-from ..layer import MoEConfig
+from ..core import CallOptions, TokenGroup
+from ..layer import MoEConfig, MoEAux, empty_result, moe_pipeline, routing_args
 from ..experts import as_experts
-from ..layer import MoEAux, empty_result, moe_pipeline, routing_args
-from ..core import TokenGroup
 from ..validation import check_input
 from ._exchange_runner import SHARDED_EXPERT_AXES, ExchangeRunner
 from ._exchanges import resolve_exchange

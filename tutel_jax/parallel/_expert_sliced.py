@@ -22,8 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..layer import MoEConfig
-from ..layer import MoEAux, moe_apply, run_routed_experts
+from ..layer import MoEConfig, MoEAux, moe_apply, run_routed_experts
 from ..routing import RoutingPlan
 from ..validation import check_input
 from ..core import varying_like

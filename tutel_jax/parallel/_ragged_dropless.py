@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core import _backends as backends
-from ..routing import _dispatch as dispatch
+from .. import core, routing
 from ..routing import RoutingPlan
 from ..core import varying
 from ._all_to_all import axis_size
@@ -39,7 +38,7 @@ __all__ = ["ragged_supported", "emulated_ragged_all_to_all", "default_recv_capac
 def ragged_supported(backend: str | None = None) -> bool:
     """True where `lax.ragged_all_to_all` compiles (GPU, TPU): `backend`, else the platform the program is
     compiled for; False on CPU."""
-    return (backend or backends.platform()) in ("gpu", "cuda", "rocm", "tpu")
+    return (backend or core.platform()) in ("gpu", "cuda", "rocm", "tpu")
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -122,7 +121,7 @@ def ragged_dropless_experts(
     overflow = jnp.max(jnp.sum(sizes, axis=0)) > recv_capacity  # the same value on every device
 
     def ragged():
-        rows = dispatch.permute(tokens, plan, is_postscore).astype(tokens.dtype)  # [k*S, M] by global expert
+        rows = routing.permute(tokens, plan, is_postscore).astype(tokens.dtype)  # [k*S, M] by global expert
         buf = _varying_zeros((recv_capacity,) + rows.shape[1:], rows.dtype, axis)
         received = exchange(rows, buf, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
         # regroup (source, local expert) -> (local expert, source)
@@ -139,7 +138,7 @@ def ragged_dropless_experts(
         back = jnp.take(out, back_index, axis=0, mode="fill", fill_value=0)  # source-major again
         returned = exchange(back, _varying_zeros((rows.shape[0],) + out.shape[1:], out.dtype, axis), recv_offsets,
                             recv_sizes, _exclusive_cumsum(sizes, axis=1)[:, me], send_sizes, axis_name=axis)
-        return dispatch.unpermute(returned, plan, is_postscore)
+        return routing.unpermute(returned, plan, is_postscore)
 
     if fallback is None:
         return ragged()

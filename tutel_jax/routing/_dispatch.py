@@ -5,7 +5,7 @@ The ops are `pallas_kernels.dispatch`'s index gathers, each the other's transpos
   decode:  y[s]    = sum_j w_j[s] * O[slot_j(s)]   (zero for a dropped assignment)
 `encode` / `decode` here are their plain-JAX references (custom VJPs: backward is gathers too, never a
 scatter-add over [E, C, M]; no one-hot [S, E, C] tensor is ever formed); a kernel backend replaces them where
-`backends.kernels` resolves to one. This module maps a plan onto slots:
+`core.kernels` resolves to one. This module maps a plan onto slots:
   - the capacity buffer [E, C, M]: slot = expert * C + location, dropped when location >= capacity;
   - the dropless grouped layout [k*S, M], rows sorted by expert: slot = start(expert) + location.
 """
@@ -20,7 +20,7 @@ from pallas_kernels.dispatch import decode_reference as decode
 from pallas_kernels.dispatch import encode_reference as encode
 from pallas_kernels.dispatch import gather_encode, grouped_rows, slot_owner
 
-from ..core import _backends as backends
+from .. import core
 from ._plan import RoutingPlan
 
 __all__ = [
@@ -81,9 +81,9 @@ def assignment_weights(plan: RoutingPlan, is_postscore: bool = True) -> tuple[ja
 
 
 def _kernel_op(name: str, backend: str | None, top_k: int):
-    """The pallas_kernels version of an op when `backend` resolves to kernels (`backends.kernels`: the
+    """The pallas_kernels version of an op when `backend` resolves to kernels (`core.kernels`: the
     platform's kernels by default), else None (this module's XLA version)."""
-    backend = backends.kernels(backend)
+    backend = core.kernels(backend)
     if backend is None or top_k >= SLOT_MAJOR_MIN_K:
         return None
     op = getattr(pallas_kernels, name)
@@ -96,7 +96,7 @@ def fast_encode(x: jax.Array, plan: RoutingPlan, is_postscore: bool = True, back
 
     With `is_postscore` tokens are copied as they are (weights applied at decode); otherwise each is scaled by
     its gate weight. Computed in the gate's dtype, like Tutel; the caller casts back. `backend` selects the
-    `pallas_kernels` implementation (see `backends.kernels`: None / 'auto' is the compile platform's kernels,
+    `pallas_kernels` implementation (see `core.kernels`: None / 'auto' is the compile platform's kernels,
     'xla' this module's gathers).
     """
     cap = plan.buffer_capacity

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pallas_kernels.gating import normalize_weights
 
-from ..core import _backends as backends
+from .. import core
 from ..core import gshard_loss, load_importance_loss, router_z_loss, sequence_aux_loss, switch_load_loss
 from ._gates import PLAN, SELECT, TUTEL, Gate, as_gate
 from ._plan import RoutingPlan, plan_from_choices, top_k_routing
@@ -97,7 +97,7 @@ def route_tokens(
     else:
         if kind == TUTEL:
             scores = jax.nn.softmax(noisy, axis=1)
-        kernel_backend = backends.kernels(kernel_backend)  # the compile platform's kernels unless set
+        kernel_backend = core.kernels(kernel_backend)  # the compile platform's kernels unless set
         spec = _kernel_spec(gate, gate_params, top_k, num_experts, normalize_gate=normalize_gate,
                             batch_prioritized_routing=batch_prioritized_routing, kernel_backend=kernel_backend,
                             valid=valid)

@@ -41,8 +41,7 @@ import optax
 
 from ._autotune import Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, metrics_load_ratio
 from ..checkpoint import restore_checkpoint, save_checkpoint
-from ..layer import MoEConfig
-from ..layer import MoEAux
+from ..layer import MoEConfig, MoEAux
 from ..parallel import moe_apply_parallel
 from ._reconfigure import (Layout, RuntimeConfig, batch_shardings, opt_state_shardings, params_shardings, plan_layout,
                           reshard)

@@ -28,12 +28,11 @@ import numpy as np
 from .. import models
 from ..native import NativeKernelError
 from ._generate import generate
-from ._tokenizer import eos_token_ids
+from ._tokenizer import eos_token_ids, IncrementalDecoder, encode, load_tokenizer
 
-from ..layer import _execution as execution
+from ..layer import execution
 from ..cli_args import CommandParser, add_dtype_argument, checked, int_in_range
 from ._sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
-from ._tokenizer import IncrementalDecoder, encode, load_tokenizer
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -47,7 +47,7 @@ import argparse
 import logging
 import socket
 
-from ..layer import _execution as execution
+from ..layer import execution
 from ..cli_args import (CommandParser, add_dtype_argument, int_at_least, int_in_range, non_negative_float,
                         positive_float)
 from ..native import NativeKernelError

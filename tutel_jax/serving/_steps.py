@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import ModelStep
-from ..models import AttnContext
+from ..models import ModelStep, AttnContext
 from ._sampling import logit_bias_arrays
 
 __all__ = ["TRACES", "RowSampling", "add_logit_bias", "decode_body", "decode_step", "finite_rows", "prefill_body",

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import _paths as paths
+from ..checkpoint import resolve_inside
 from ._chat_template import ChatTemplate, ChatTemplateError, TemplateLimits, load_chat_template
 
 __all__ = ["TOKENIZER_FILE", "ChatTemplateError", "CheckpointPathError", "IncrementalDecoder", "TextCodec", "TextUnavailableError",
@@ -38,10 +38,10 @@ class CheckpointPathError(ValueError):
 
 def resolve_inside(root: str | os.PathLike, name: str, what: str) -> Path:
     """The path of the file `name` of checkpoint directory `root`, resolved (symlinks followed), once
-    `checkpoint.paths.resolve_inside` has checked that it stays inside (Hugging Face cache snapshots included):
+    `checkpoint.resolve_inside` has checked that it stays inside (Hugging Face cache snapshots included):
     CheckpointPathError naming `what` and `name` otherwise."""
     try:
-        return paths.resolve_inside(root, name, what).resolve()
+        return resolve_inside(root, name, what).resolve()
     except ValueError as e:
         raise CheckpointPathError(str(e)) from None
 
