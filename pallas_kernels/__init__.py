@@ -3,7 +3,7 @@
 One folder per op (tokamax's layout): `reference.py` holds the op's semantics in plain JAX, `api.py` the op with
 its backend choice (and custom VJP), and each backend sits beside them: `pallas_triton.py` (NVIDIA and AMD GPUs,
 tiled per GPU target, see targets.py and the offline compile in offline/), `pallas_mosaic_tpu.py` (TPUs),
-`pallas_mosaic_gpu.py` (tokamax's Mosaic GPU ragged_dot on Hopper / Blackwell, by name only). Every op has the
+`_pallas_mosaic_gpu.py` (tokamax's Mosaic GPU ragged_dot on Hopper / Blackwell, by name only). Every op has the
 signature `op(..., implementation="auto", config=None)`. The package depends on JAX only:
 
 | op | folder | reference |

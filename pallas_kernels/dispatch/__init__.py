@@ -2,10 +2,10 @@
 
 | file | what |
 |---|---|
-| reference.py | index gathers with custom VJPs in plain JAX, the reference every backend equals |
-| api.py | `encode` / `decode` / `permute` / `unpermute`: backend choice and the custom VJPs |
-| pallas_triton.py | Pallas Triton kernels (NVIDIA, AMD) and their tilings per target |
-| pallas_mosaic_tpu.py | a Mosaic row-gather kernel (TPU) |
+| _reference.py | index gathers with custom VJPs in plain JAX, the reference every backend equals |
+| _api.py | `encode` / `decode` / `permute` / `unpermute`: backend choice and the custom VJPs |
+| _pallas_triton.py | Pallas Triton kernels (NVIDIA, AMD) and their tilings per target |
+| _pallas_mosaic_tpu.py | a Mosaic row-gather kernel (TPU) |
 """
 
 from ._api import decode, encode, permute, unpermute

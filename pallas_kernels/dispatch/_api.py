@@ -4,8 +4,8 @@
     decode(data[num_slots, M], weights[k, S], slots[k, S]) -> [S, M]
     permute / unpermute: the same pair on the dropless grouped layout [k*S, M] (rows from `grouped_rows`)
 
-Semantics: reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference), "pallas" /
-"interpret" (pallas_triton.py), "tpu" / "tpu_interpret" (the Mosaic row-gather kernel of pallas_mosaic_tpu.py;
+Semantics: _reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference), "pallas" /
+"interpret" (_pallas_triton.py), "tpu" / "tpu_interpret" (the Mosaic row-gather kernel of _pallas_mosaic_tpu.py;
 `config` is the Triton tiling and does not apply; the row dots of the weight gradients run their reference
 there).
 

@@ -1,6 +1,6 @@
 """Dispatch (encode) and combine (decode) on TPUs: Mosaic kernels gathering rows by DMA.
 
-Semantics are those of reference.py:
+Semantics are those of _reference.py:
   encode_tpu(x[S, M], weights[k, S], slots[k, S], num_slots) -> [num_slots, M]
       out[slot] = weights[j, s] * x[s] for the assignment (j, s) owning the slot, zeros for an empty slot.
   decode_tpu(data[num_slots, M], weights[k, S], slots[k, S]) -> [S, M]

@@ -1,5 +1,5 @@
 """Dispatch (encode), combine (decode) and their weight gradients (row dots) on Pallas Triton kernels, forward
-only (api.py adds the custom VJPs). Semantics are reference.py's.
+only (_api.py adds the custom VJPs). Semantics are _reference.py's.
 
 Kernels -- all gathers, no atomics (Pallas' interpreter mishandles duplicate atomic indices, and gathers are
 deterministic):

@@ -2,9 +2,9 @@
 
 | file | what |
 |---|---|
-| reference.py | the semantics in plain JAX, the reference every backend equals |
-| api.py | `gating` / `slot_positions`: backend choice |
-| pallas_triton.py | the Pallas Triton kernel family (NVIDIA, AMD) and its tilings per target |
+| _reference.py | the semantics in plain JAX, the reference every backend equals |
+| _api.py | `gating` / `slot_positions`: backend choice |
+| _pallas_triton.py | the Pallas Triton kernel family (NVIDIA, AMD) and its tilings per target |
 """
 
 from ._api import gating, slot_positions

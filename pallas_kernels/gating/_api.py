@@ -1,8 +1,8 @@
 """The gating ops, one for every backend: `gating(logits[S, E], k, ...) -> GatingResult` and its building block
 `slot_positions(expert_ids[k, S], E) -> (locations[k, S], counts[E])`.
 
-Semantics: reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference), "pallas" /
-"interpret" (pallas_triton.py; up to `MAX_KERNEL_EXPERTS` experts, "auto" falls back to the reference beyond).
+Semantics: _reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference), "pallas" /
+"interpret" (_pallas_triton.py; up to `MAX_KERNEL_EXPERTS` experts, "auto" falls back to the reference beyond).
 No VJP: gating's outputs are indices, counts and weights of a forward pass (routers that train their weights
 use the library's differentiable routing).
 """

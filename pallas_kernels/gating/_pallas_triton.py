@@ -1,5 +1,5 @@
 """Fused gating on Pallas Triton kernels (NVIDIA, AMD): `gating_triton` and `slot_positions_triton`; semantics
-are reference.py's.
+are _reference.py's.
 
 Kernel family (Triton backend), three steps, no atomics:
   1. `_gating_kernel`, grid over blocks of `block_tokens` tokens: each program loads its [BT, W] logits tile

@@ -2,11 +2,11 @@
 
 | file | what |
 |---|---|
-| reference.py | the semantics in plain JAX (`lax.ragged_dot`), the reference every backend equals |
-| api.py | `gmm` / `tgmm`: backend choice and the custom VJP |
-| pallas_triton.py | Pallas Triton kernels (NVIDIA, AMD), their tilings per target, the weight-tile loader protocol |
-| pallas_mosaic_tpu.py | JAX's Mosaic megablox kernels (TPU) |
-| pallas_mosaic_gpu.py | tokamax's Mosaic GPU ragged_dot (Hopper, Blackwell; by name only) |
+| _reference.py | the semantics in plain JAX (`lax.ragged_dot`), the reference every backend equals |
+| _api.py | `gmm` / `tgmm`: backend choice and the custom VJP |
+| _pallas_triton.py | Pallas Triton kernels (NVIDIA, AMD), their tilings per target, the weight-tile loader protocol |
+| _pallas_mosaic_tpu.py | JAX's Mosaic megablox kernels (TPU) |
+| _pallas_mosaic_gpu.py | tokamax's Mosaic GPU ragged_dot (Hopper, Blackwell; by name only) |
 """
 
 from ._api import gmm, tgmm

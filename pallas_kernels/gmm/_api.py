@@ -3,10 +3,10 @@
     gmm(lhs[T, K], rhs[G, K, N] (or [G, N, K] with transpose_rhs), group_sizes[G]) -> [T, N]
     tgmm(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]        (gmm's weight gradient, forward only)
 
-Semantics: reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference),
-"pallas" / "interpret" (pallas_triton.py), "tpu" / "tpu_interpret" (JAX's Mosaic megablox kernels,
-pallas_mosaic_tpu.py; their own tiling rule, `config` / `tgmm_config` are the Triton tilings and do not apply),
-"mosaic_gpu" (tokamax's Mosaic GPU ragged_dot on Hopper and Blackwell, pallas_mosaic_gpu.py; by name only, see
+Semantics: _reference.py. `implementation` picks the backend (`_select.choose`): "xla" (the reference),
+"pallas" / "interpret" (_pallas_triton.py), "tpu" / "tpu_interpret" (JAX's Mosaic megablox kernels,
+_pallas_mosaic_tpu.py; their own tiling rule, `config` / `tgmm_config` are the Triton tilings and do not apply),
+"mosaic_gpu" (tokamax's Mosaic GPU ragged_dot on Hopper and Blackwell, _pallas_mosaic_gpu.py; by name only, see
 `_select.py` for the H200 measurement that keeps "auto" on Triton).
 
 The custom VJP is the same for every implementation: d lhs = gmm(g, rhs read transposed), d rhs = tgmm, each on

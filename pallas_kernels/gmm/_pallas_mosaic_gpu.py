@@ -2,14 +2,14 @@
 
     gmm_mosaic_gpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
 
-Semantics are reference.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; a group that
+Semantics are _reference.py's: rows of lhs are sorted by group; rows past sum(group_sizes) give zeros; a group that
 extends past T is cut at T. The weight gradient (tgmm) is never run here: tokamax's ragged-contraction kernel
 gave wrong results on an H200 (benchmarks/results/mosaic_gpu_gmm_h200.txt), so it stays on Triton.
 
 tokamax (PyPI `tokamax`, an optional dependency: Python >= 3.12, jax >= 0.11.1) ships Pallas Mosaic GPU kernels
 for `ragged_dot`: a wgmma kernel for sm_90 with a ragged-contraction (weight-gradient) variant, and a tcgen05
 kernel for sm_100 that has the forward form only. This module calls its public `tokamax.ragged_dot_general`
-with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, else its heuristics; pallas_triton.py's
+with `implementation="mosaic_gpu"` (tokamax's own tiling: its autotuning cache, else its heuristics; _pallas_triton.py's
 `GmmConfig` tilings are Triton's and do not apply) and adapts the semantics around it:
 
 - group sizes are clamped to T first, so no group reaches past the rows that exist;
@@ -183,7 +183,7 @@ def _ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, dims: lax.Ragg
 
 def gmm_mosaic_gpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
                    out_dtype: Any = None) -> jax.Array:
-    """Grouped matmul on tokamax's Mosaic GPU kernel (forward only; api.py adds the VJP).
+    """Grouped matmul on tokamax's Mosaic GPU kernel (forward only; _api.py adds the VJP).
 
     Args:
       lhs: [T, K] bfloat16 / float16, rows sorted by group.

@@ -1,4 +1,4 @@
-"""Grouped matmul on TPUs: `gmm` and `tgmm` (reference.py's semantics) on JAX's Mosaic megablox kernels.
+"""Grouped matmul on TPUs: `gmm` and `tgmm` (_reference.py's semantics) on JAX's Mosaic megablox kernels.
 
     gmm_tpu(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G]) -> [T, N]
     tgmm_tpu(lhs[T, K], grad[T, N], group_sizes[G]) -> [G, K, N]
@@ -105,7 +105,7 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
 def gmm_tpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
             out_dtype: Any = None, interpret: bool = False, tiling: Sequence[int] | None = None) -> jax.Array:
-    """Grouped matmul on the Mosaic megablox kernel (forward only; api.py adds the VJP).
+    """Grouped matmul on the Mosaic megablox kernel (forward only; _api.py adds the VJP).
 
     Args:
       lhs: [T, K] float32 / bfloat16, rows sorted by group.

@@ -1,10 +1,10 @@
-"""Grouped matmul on Pallas Triton kernels (NVIDIA sm_80 / sm_90 / sm_100, AMD gfx942), forward only (api.py adds
+"""Grouped matmul on Pallas Triton kernels (NVIDIA sm_80 / sm_90 / sm_100, AMD gfx942), forward only (_api.py adds
 the custom VJP):
 
     gmm_triton(lhs[T, K], rhs[G, K, N] (or [G, N, K] transposed), group_sizes[G], ...) -> [T, N]
     tgmm_triton(lhs[T, K], grad[T, N], group_sizes[G], ...) -> [G, K, N]
 
-Semantics are reference.py's. Kernel, megablox-style tile schedule:
+Semantics are _reference.py's. Kernel, megablox-style tile schedule:
   - XLA builds a schedule of work items (group g, row tile m): every row tile of size block_m that a group
     overlaps, in group order. A tile shared by two groups appears twice; each work item only STORES the rows of
     its own group, so two items never write the same element (no atomics, no races). The rows past the last
@@ -20,7 +20,7 @@ a 128x128 f32 accumulator, 2 x 16 KiB bf16 operand tiles per stage. Arithmetic i
 weights read once is about 210 FLOP/byte, near the H100 ridge, so keeping weight reads to one pass matters
 more than the MMA tile shape.
 
-The same kernel body serves the quantized per-expert matmul (`quant/pallas_triton.py`) through a weight-tile
+The same kernel body serves the quantized per-expert matmul (`quant/_pallas_triton.py`) through a weight-tile
 loader that dequantizes inside the kernel, and the decode case (few rows) through split-K.
 """
 
@@ -179,7 +179,7 @@ class DenseRhs:
     A loader gives the kernel, for group g and the index vectors ks [bk] / ns [bn], the weight tile in the
     compute dtype, whether it is laid out [bn, bk] (`transposed`), an optional per-column scale applied to the
     step's partial product (FP8 block scales), and an optional per-group scale applied at the end (NVFP4's
-    global scale). Quantized loaders live in quant/pallas_triton.py.
+    global scale). Quantized loaders live in quant/_pallas_triton.py.
     """
 
     num_refs = 1

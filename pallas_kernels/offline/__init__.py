@@ -1,12 +1,12 @@
 """Offline GPU compile of the Pallas kernels: no GPU needed.
 
 Each kernel is lowered with `jax.export` for CUDA or ROCm under a target (targets.py), its Triton module is taken
-out of the exported program (extract.py), and the pip `triton` package compiles it for sm_80, sm_90 or gfx942
-in its own environment (compile.py, worker.py). The compile checks what lowering cannot: that the Triton
+out of the exported program (_extract.py), and the pip `triton` package compiles it for sm_80, sm_90 or gfx942
+in its own environment (_compile.py, _worker.py). The compile checks what lowering cannot: that the Triton
 compiler accepts the kernel for that architecture (A100 has no FP8 conversion instructions), that its shared
 memory fits the target (MI300 has 64 KiB of LDS per workgroup), and whether it spills registers.
 XLA builds its kernels with its own fork of Triton, so this is a close stand-in for the GPU's compile, not proof.
-cases.py lists what is compiled: the kernels of real model families at decode and prefill sizes, and every
+_cases.py lists what is compiled: the kernels of real model families at decode and prefill sizes, and every
 tiling the selection tables hold. `python -m pallas_kernels.offline` prints the report.
 """
 

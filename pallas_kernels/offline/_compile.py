@@ -1,7 +1,7 @@
 """Compiling the extracted Triton kernels for each target with the pip `triton` package, in parallel.
 
 Triton lives in its own environment (its LLVM must not meet jaxlib's), so the compile runs in subprocesses of
-that environment's Python (`worker.py`), found from `TUTEL_JAX_TRITON_PYTHON`. Equal kernels (same module text
+that environment's Python (`_worker.py`), found from `TUTEL_JAX_TRITON_PYTHON`. Equal kernels (same module text
 and launch parameters) compile once per target, and results are cached on disk by that hash, so a rerun only
 compiles what changed.
 """

@@ -2,7 +2,7 @@
 
 Run by `pallas_kernels.offline._compile` with the Python of an environment that has triton installed:
 
-    python worker.py JOBS.json RESULTS.jsonl
+    python _worker.py JOBS.json RESULTS.jsonl
 
 JOBS.json is a list of {"id", "ttir_path", "backend" ("cuda" | "hip"), "arch" (80, 90 or "gfx942"),
 "warp_size", "num_warps", "num_stages"}. For each job it appends {"id", "event": "start"} to RESULTS.jsonl, then
@@ -102,5 +102,5 @@ def main(jobs_path: str, results_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: worker.py JOBS.json RESULTS.jsonl")
+        sys.exit("usage: _worker.py JOBS.json RESULTS.jsonl")
     main(sys.argv[1], sys.argv[2])

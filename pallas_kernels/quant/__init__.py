@@ -4,10 +4,10 @@
 |---|---|
 | formats/ | one module per weight format (`fp8_block`, `mxfp4`, `nvfp4`): container, dequantizers, |
 |  | quantizer, HF names, native format id, tile loaders |
-| reference.py | the semantics in plain JAX, the reference every backend equals |
-| api.py | `quant_matmul` / `quant_gmm`: backend choice |
-| pallas_triton.py | the grouped-matmul Triton kernel running the format's weight-tile loader, tilings per target |
-| pallas_mosaic_tpu.py | a Mosaic kernel that dequantizes in VMEM (TPU), with the format's tile code |
+| _reference.py | the semantics in plain JAX, the reference every backend equals |
+| _api.py | `quant_matmul` / `quant_gmm`: backend choice |
+| _pallas_triton.py | the grouped-matmul Triton kernel running the format's weight-tile loader, tilings per target |
+| _pallas_mosaic_tpu.py | a Mosaic kernel that dequantizes in VMEM (TPU), with the format's tile code |
 """
 
 from ._api import quant_gmm, quant_matmul

@@ -3,10 +3,10 @@
     quant_matmul(x[M, K], w[N, K] quantized) -> [M, N] = x @ dequant(w).T            (dense layers, decode)
     quant_gmm(x[T, K], w[G, N, K] quantized, group_sizes[G]) -> [T, N]               (MoE experts, rows by expert)
 
-Weights keep the HF [out, in] layout (formats/). Semantics: reference.py. `implementation` picks the backend
-(`_select.choose`): "xla" (the reference), "pallas" / "interpret" (pallas_triton.py: the grouped-matmul kernel
+Weights keep the HF [out, in] layout (formats/). Semantics: _reference.py. `implementation` picks the backend
+(`_select.choose`): "xla" (the reference), "pallas" / "interpret" (_pallas_triton.py: the grouped-matmul kernel
 with a weight-tile loader per format), "tpu" / "tpu_interpret" (quant_gmm: the Mosaic kernel of
-pallas_mosaic_tpu.py, which dequantizes in VMEM).
+_pallas_mosaic_tpu.py, which dequantizes in VMEM).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def quant_gmm(
       group_sizes: [G] int32 rows per expert (rows past the sum give zeros).
       out_dtype: default x.dtype.
       implementation: "auto", "xla", "pallas", "interpret", "tpu" or "tpu_interpret" (the Mosaic TPU kernel of
-        pallas_mosaic_tpu.py; "auto" on a TPU falls back to XLA where it declines the call).
+        _pallas_mosaic_tpu.py; "auto" on a TPU falls back to XLA where it declines the call).
       config: tiling of the Triton kernel (default `default_quant_config`; the TPU kernel has its own rule).
 
     Returns:

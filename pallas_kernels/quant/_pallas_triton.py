@@ -1,9 +1,9 @@
 """Quantized grouped matmul on Pallas Triton kernels (NVIDIA, AMD): activations x FP8-block / MXFP4 / NVFP4
-weights, dequantized inside the kernel; semantics are reference.py's.
+weights, dequantized inside the kernel; semantics are _reference.py's.
 
     quant_gmm_triton(x[T, K], w[G, N, K] quantized, group_sizes[G], ...) -> [T, N]
 
-Kernel: the grouped-matmul kernel of gmm/pallas_triton.py (same tile schedule, grid and split-K) with the weight
+Kernel: the grouped-matmul kernel of gmm/_pallas_triton.py (same tile schedule, grid and split-K) with the weight
 format's tile loader (`formats/<format>.py`), which turns the quantized bytes of one [block_n, block_k] tile into
 compute-dtype values in registers (FP8 block: e4m3 values, the block scale per K step; MXFP4 / NVFP4: nibbles
 decoded by integer ops times their block scale; NVFP4's global scale applies to the accumulator at the end).

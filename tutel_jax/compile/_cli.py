@@ -12,7 +12,7 @@ batch, seq, mode, derivation, decode_rooflines, and programs: [{program ('prefil
 bytes_per_device {weights, kv_cache, optimizer, activations_and_temps, total}, fits, devices_to_fit,
 compile_errors (parts the compiler refused for lack of HBM), weights_from_programs, kernels {name: calls per
 step}, collectives {all-to-all, all-reduce, all-gather, reduce-scatter, collective-permute: per step}, roofline
-(analytic, `roofline.py`: {step_seconds_floor, bound, flops, bytes, tokens, tokens_per_second_ceiling,
+(analytic, `_roofline.py`: {step_seconds_floor, bound, flops, bytes, tokens, tokens_per_second_ceiling,
 compute_seconds, memory_seconds, flops_terms, bytes_terms, routed_experts_read_per_layer, source}), xla_cost
 (XLA's own cost analysis, reference only: {flops, bytes, step_seconds, source, note}), compile_seconds, parts:
 [per compiled program]}].

@@ -1,6 +1,6 @@
 """`compile_model`: choose a mesh for a target, build the model's programs over abstract weights, compile them
 deviceless and add up what one device needs and how fast a step can be. The result is the JSON of
-`tutel-jax compile --json` (see `cli.py` for its fields)."""
+`tutel-jax compile --json` (see `_cli.py` for its fields)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _compile_step(step: Step, mesh: Any, platform: str, log) -> tuple[list[dict]
     return parts, sum(p["compile_seconds"] for p in parts)
 
 
-#: how the report's `roofline` is computed (the JSON's `derivation`; `roofline.py` has the full statement)
+#: how the report's `roofline` is computed (the JSON's `derivation`; `_roofline.py` has the full statement)
 ROOFLINE_DERIVATION = (
     "roofline (analytic, per device, from the config and the weights' shapes; see tutel_jax/compile/_roofline.py): "
     "flops = 2 x tokens x the matrix parameters each token uses (attention, dense MLPs, routers, shared experts, "
@@ -155,7 +155,7 @@ def _xla_cost(parts: list[dict], hw: Any) -> dict:
 
 def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: int, mode: str = "serve",
                   dtype: Any = jnp.bfloat16, log=lambda msg: None, decode_batches: tuple[int, ...] = ()) -> dict:
-    """The report of `config` on `target` (see `cli.py` for the JSON fields). `decode_batches`: serving also
+    """The report of `config` on `target` (see `_cli.py` for the JSON fields). `decode_batches`: serving also
     reports the analytic decode roofline at these batch sizes (same placement and seq; nothing compiled), as
     `decode_rooflines` {batch: roofline}. ValueError for a config the loader rejects; DevicelessUnavailable
     without the target's compiler."""

@@ -67,7 +67,7 @@ class TensorSite:
 
 @dataclasses.dataclass(frozen=True)
 class TpuTiles:
-    """The Mosaic TPU kernel's per-format pieces (`quant/pallas_mosaic_tpu.py` runs the schedule).
+    """The Mosaic TPU kernel's per-format pieces (`quant/_pallas_mosaic_tpu.py` runs the schedule).
 
     operands(x [T, K], w, num_groups, n_dim, k_dim, tm, tn) -> (activation operands, weight operands, their
       BlockSpecs); index maps take (n tile, item, *work list).

@@ -1,5 +1,5 @@
 """Pieces the formats' Mosaic TPU tile code shares (each format's operands and accumulation live in its module;
-`quant/pallas_mosaic_tpu.py` runs the schedule). Layouts: the module docstring of `pallas_mosaic_tpu.py`."""
+`quant/_pallas_mosaic_tpu.py` runs the schedule). Layouts: the module docstring of `pallas_mosaic_tpu.py`."""
 
 from __future__ import annotations
 

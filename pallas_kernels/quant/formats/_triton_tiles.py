@@ -1,5 +1,5 @@
 """Pieces the formats' Pallas Triton weight-tile loaders share (the loaders themselves live in their format's
-module; `quant/pallas_triton.py` runs them inside the grouped-matmul kernel).
+module; `quant/_pallas_triton.py` runs them inside the grouped-matmul kernel).
 
 A loader has `num_refs`, `transposed`, `check_block_k(block_k)`, `tile(refs, g, k0, ks, ns, kmask, nmask,
 compute_dtype) -> [bn, bk]`, `step_scale(...)` (a per-column factor of one K step's partial product, or None)
