@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import resolve_inside
+from ..checkpoint import resolve_inside as resolve_in_checkpoint
 from ._chat_template import ChatTemplate, ChatTemplateError, TemplateLimits, load_chat_template
 
 __all__ = ["TOKENIZER_FILE", "ChatTemplateError", "CheckpointPathError", "IncrementalDecoder", "TextCodec", "TextUnavailableError",
@@ -41,7 +41,7 @@ def resolve_inside(root: str | os.PathLike, name: str, what: str) -> Path:
     `checkpoint.resolve_inside` has checked that it stays inside (Hugging Face cache snapshots included):
     CheckpointPathError naming `what` and `name` otherwise."""
     try:
-        return resolve_inside(root, name, what).resolve()
+        return resolve_in_checkpoint(root, name, what).resolve()
     except ValueError as e:
         raise CheckpointPathError(str(e)) from None
 
