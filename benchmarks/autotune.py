@@ -45,7 +45,7 @@ from benchmarks.common import (LayerShape, fmt_ms, fmt_ratio, machine_info, mark
 from tutel_jax import init_params  # noqa: E402
 from tutel_jax.runtime import LOAD_RATIO_KEY, Candidate, load_ratio  # noqa: E402
 from tutel_jax.runtime import RuntimeConfig, batch_shardings  # noqa: E402
-from tutel_jax.runtime import MoETrainer  # noqa: E402
+from tutel_jax.training import MoETrainer  # noqa: E402
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "autotune_cpu.json"
 

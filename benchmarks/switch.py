@@ -42,7 +42,7 @@ from benchmarks.common import (LayerShape, fmt_ms, machine_info, markdown_table,
                                repo_root, results_path, run_and_report)
 from tutel_jax import init_params  # noqa: E402
 from tutel_jax.runtime import RuntimeConfig  # noqa: E402
-from tutel_jax.runtime import MoETrainer  # noqa: E402
+from tutel_jax.training import MoETrainer  # noqa: E402
 
 DEFAULT_OUT = repo_root() / "benchmarks" / "results" / "switch_cpu.json"
 

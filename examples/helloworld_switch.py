@@ -46,7 +46,7 @@ import optax  # noqa: E402
 
 from tutel_jax import init_params, make_config  # noqa: E402
 from tutel_jax.runtime import parse_runtime  # noqa: E402
-from tutel_jax.runtime import MoETrainer  # noqa: E402
+from tutel_jax.training import MoETrainer  # noqa: E402
 
 DEFAULT_SCHEDULE = ("ep=8,r=1; ep=8,r=2; ep=8,r=0; ep=4,dp=2,d=2; node=2,local=2,dp=2; "
                     "ep=2,dp=4,k=1,cf=0.5; ep=8,r=1")

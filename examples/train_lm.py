@@ -13,7 +13,7 @@ Model: `tutel_jax.lm.LMSize` (RMSNorm, RoPE, GQA with q/k norms, a tutel-jax MoE
 Qwen3-MoE router, SwiGLU experts), its parameters laid out as an HF `qwen3_moe` checkpoint, so `--export`
 writes one that `from_pretrained` and HF transformers load. Data: `tutel_jax.lm.ByteCorpus` (bytes, split by
 file path; batch i depends only on (seed, i), so a resumed run sees the same batches). Training: optax AdamW
-with linear warmup + cosine decay and global-norm clipping, `tutel_jax.runtime._training.MoETrainer` over a mesh of all
+with linear warmup + cosine decay and global-norm clipping, `tutel_jax.training._trainer.MoETrainer` over a mesh of all
 devices (tokens split over every device, experts over the 'expert' axis). The progress bar shows the loss,
 tokens/s and each MoE layer's dropped fraction; `--log` writes one JSON object per line (steps, evaluations,
 expert load per layer, switches, the autotune decisions).
@@ -220,7 +220,7 @@ class LMRun:
         from tutel_jax.lm import ByteCorpus, LMSize, init_lm, lm_loss
         from tutel_jax.runtime import RuntimeConfig
         from tutel_jax.runtime import parse_runtime
-        from tutel_jax.runtime import MoETrainer
+        from tutel_jax.training import MoETrainer
 
         self.args, self.say = args, say
         self.main_process = jax.process_index() == 0
@@ -255,7 +255,7 @@ class LMRun:
                                   seed=args.seed)
         self.step = 0
         if args.resume:
-            from tutel_jax.checkpoint import latest_step
+            from tutel_jax.training import latest_step
             if latest_step(args.ckpt_dir) is None:
                 raise ValueError(f"--resume: no checkpoint in {args.ckpt_dir}")
             self.step = self.trainer.restore(args.ckpt_dir)
@@ -349,7 +349,7 @@ class LMRun:
                 entry["load"] = _floats(metrics["load"])
             self.log.write(event="step", **entry)
         if args.ckpt_dir is not None and (step % args.ckpt_every == 0 or step == self.stop):
-            from tutel_jax.checkpoint import all_steps
+            from tutel_jax.training import all_steps
             if step not in all_steps(args.ckpt_dir):
                 trainer.save(args.ckpt_dir, max_to_keep=3)
         if step % args.eval_every == 0 or step == self.stop:

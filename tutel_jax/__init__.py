@@ -26,7 +26,7 @@ __all__ = ["MoE", "moe", "MoEConfig", "make_config", "init_params", "moe_apply",
 
 #: heavier subpackages load on first use (`tutel_jax.models.from_pretrained(...)`); earlier names of moved modules
 _LAZY_SUBMODULES = {"models": "models", "serving": "serving", "parallel": "parallel", "checkpoint": "checkpoint",
-                    "runtime": "runtime", "reconfigure": "runtime._reconfigure", "training": "runtime._training",
+                    "runtime": "runtime", "reconfigure": "runtime._reconfigure", "training": "training",
                     "linen": "nn._linen"}
 
 

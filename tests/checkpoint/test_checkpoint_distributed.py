@@ -441,7 +441,7 @@ def _kill_when_started(code: str, args: list[str], started) -> None:
 
 
 _ORBAX_SAVER = """
-from tutel_jax.checkpoint import save_checkpoint
+from tutel_jax.training import save_checkpoint
 directory, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 save_checkpoint(directory, values(1, 4, 1000), step=1)
 big = values(2, n, size)
@@ -452,7 +452,7 @@ print("saved", flush=True)
 
 _ORBAX_CHECKER = """
 import jax
-from tutel_jax.checkpoint import all_steps, latest_step, restore_checkpoint, save_checkpoint
+from tutel_jax.training import all_steps, latest_step, restore_checkpoint, save_checkpoint
 directory = sys.argv[1]
 assert latest_step(directory) == 1, all_steps(directory)
 target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))

@@ -239,7 +239,7 @@ def test_expert_parallel_loss_against_the_references(model, tokens, reference):
     """lm_loss with the trainer's MoE call (`MoECall`: 4-way expert parallel x 2 data shards over the 8 CPU
     devices, tokens split over all 8): the same ce and loads; l_aux is the mean of the 8 shards' own losses."""
     from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
-    from tutel_jax.runtime._training import MoECall
+    from tutel_jax.training._trainer import MoECall
 
     default, _, record = reference
     layout = plan_layout(moe_config(model), RuntimeConfig.ep(4, data=2))

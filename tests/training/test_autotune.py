@@ -19,7 +19,7 @@ from tutel_jax.runtime._autotune import (LOAD_RATIO_KEY, Autotuner, Candidate, S
                                         short_name)
 from tutel_jax.layer import MoEAux
 from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
-from tutel_jax.runtime import MoETrainer
+from tutel_jax.training import MoETrainer
 
 MS = 2.0 ** -10  # one fake "millisecond", exact in binary
 

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 from tutel_jax import make_config
-from tutel_jax.runtime import RuntimeConfig, MoETrainer
+from tutel_jax.runtime import RuntimeConfig
+from tutel_jax.training import MoETrainer
 
 from support.trainer_problem import batch, loss_fn, problem_params  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Runtime reconfiguration on 8 fake CPU devices (`tutel_jax.runtime._reconfigure`, `tutel_jax.runtime._training.MoETrainer`,
+"""Runtime reconfiguration on 8 fake CPU devices (`tutel_jax.runtime._reconfigure`, `tutel_jax.training._trainer.MoETrainer`,
 `MoE.reconfigure`).
 
 Model: x @ proj -> MoE (top-2 gate with noise, E = 4 ffn experts) -> mean squared error to tanh(x), adam. Every
@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from tutel_jax import make_config
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
 from tutel_jax.runtime._reconfigure import RuntimeConfig, plan_layout
-from tutel_jax.runtime import MoETrainer
+from tutel_jax.training import MoETrainer
 from support.trainer_problem import M, batch, loss_fn, problem_params as _params
 from support.paths import REPO, TESTS
 

@@ -16,7 +16,8 @@ import pytest
 
 from support import reference_np as ref
 from tutel_jax import make_config
-from tutel_jax.runtime import RuntimeConfig, MoETrainer
+from tutel_jax.runtime import RuntimeConfig
+from tutel_jax.training import MoETrainer
 from support.trainer_problem import M, batch, loss_fn, problem_params as _params
 
 H, E, K = 16, 4, 2

@@ -1,14 +1,13 @@
-"""Training and runtime changes: switching a running layer's layout and routing (`reconfigure`, `text` for
-'ep=4,dp=2' strings), the trainer (`training.MoETrainer`: step, switch, evaluate, autotune, save / restore) and
-the adaptive runtime's decisions (`autotune`)."""
+"""Runtime changes of a running layer: switching its layout and routing (`reconfigure`: RuntimeConfig, layouts,
+reshards; `text` for 'ep=4,dp=2' strings) and the adaptive runtime's decisions (`autotune`). The trainer that
+uses them is `tutel_jax.training`."""
 
-from ._reconfigure import RuntimeConfig, batch_shardings, reconfigure_layer
+from ._autotune import (LOAD_RATIO_KEY, Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, load_ratio,
+                        metrics_load_ratio)
+from ._reconfigure import (Layout, RuntimeConfig, batch_shardings, opt_state_shardings, params_shardings, plan_layout,
+                           reconfigure_layer, reshard)
 from ._text import parse_runtime
-from ._autotune import Candidate, LOAD_RATIO_KEY, load_ratio
-from ._training import MoETrainer
 
-# `training.MoETrainer` is not imported here: the NNX layer builds on `reconfigure`, and `import tutel_jax`
-# should not load the trainer's Orbax checkpointing
-
-__all__ = ["Candidate", "LOAD_RATIO_KEY", "MoETrainer", "batch_shardings", "load_ratio", "reconfigure_layer",
-           "RuntimeConfig", "parse_runtime"]
+__all__ = ["LOAD_RATIO_KEY", "Autotuner", "Candidate", "Decision", "DecisionLog", "Measurement", "Sample", "load_ratio",
+           "metrics_load_ratio", "Layout", "RuntimeConfig", "batch_shardings", "opt_state_shardings",
+           "params_shardings", "plan_layout", "reconfigure_layer", "reshard", "parse_runtime"]

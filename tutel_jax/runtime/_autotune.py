@@ -2,7 +2,7 @@
 
 Tutel's paper describes a runtime that picks the fastest parallelism and pipelining as the capacity an MoE layer
 needs changes. This module is that decision logic, pure and clock-injectable; `MoETrainer.autotune` drives it
-with real training steps (see `tutel_jax.runtime._training`).
+with real training steps (see `tutel_jax.training._trainer`).
 
 * :class:`Autotuner.tune` validates every candidate first (`check`, e.g. `plan_layout` and the batch shape),
   then measures each valid one with a `measure(candidate)` callable (step times; compile time reported

@@ -12,7 +12,7 @@ all outside any compiled function:
    layout (:func:`params_shardings`, :func:`opt_state_shardings`). Arrays keep their global shapes (expert
    tensors stay [E, ...]); only their placement changes, bit for bit.
 
-A compiled step is then chosen for the new layout (`tutel_jax.runtime._training.MoETrainer` caches one per
+A compiled step is then chosen for the new layout (`tutel_jax.training._trainer.MoETrainer` caches one per
 configuration); the NNX module has `MoE.reconfigure`.
 
 Which switches change the math (Tutel semantics, every device routing its own tokens):

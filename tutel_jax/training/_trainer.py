@@ -39,13 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._autotune import Autotuner, Candidate, Decision, DecisionLog, Measurement, Sample, metrics_load_ratio
-from ..checkpoint import restore_checkpoint, save_checkpoint
 from ..layer import MoEConfig, MoEAux
 from ..parallel import moe_apply_parallel
-from ._reconfigure import (Layout, RuntimeConfig, batch_shardings, opt_state_shardings, params_shardings, plan_layout,
-                          reshard)
+from ..runtime import (Autotuner, Candidate, Decision, DecisionLog, Layout, Measurement, RuntimeConfig, Sample,
+                       batch_shardings, metrics_load_ratio, opt_state_shardings, params_shardings, plan_layout,
+                       reshard)
 from ..validation import check_int
+from ._orbax_io import restore_checkpoint, save_checkpoint
 
 __all__ = ["TrainState", "MoECall", "MoETrainer", "SwitchReport", "CacheInfo", "AutotuneReport"]
 
