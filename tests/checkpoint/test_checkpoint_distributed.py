@@ -24,8 +24,9 @@ from support.tutel_cases import TutelCase
 from tutel_jax import init_params, make_config, moe_apply
 from tutel_jax.checkpoint import (load_torch_file, gather_state_dicts, load_tutel_rank_files,
                                   load_tutel_rank_files_as_params, rank_path, save_tutel_rank_files,
-                                  scatter_state_dict, all_steps, latest_step, restore_checkpoint, save_checkpoint)
+                                  scatter_state_dict)
 from tutel_jax.parallel import ExpertParallel, moe_apply_parallel, shard_params
+from tutel_jax.training import all_steps, latest_step, restore_checkpoint, save_checkpoint
 from support.paths import REPO
 
 CASE = TutelCase("top2_cf1")  # E=4, M=64, H=128
