@@ -21,6 +21,16 @@ from support.tutel_cases import TutelCase  # noqa: E402
 TUTEL_CASES = sorted(p.name for p in TUTEL.iterdir() if p.is_dir())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compile_caches():
+    """Drops JAX's compiled programs after each test module. A worker runs hundreds of modules, and every
+    compiled CPU program holds a few memory mappings of its code: past the kernel's limit (vm.max_map_count,
+    65530 by default) a new program cannot be mapped and XLA aborts the process."""
+    yield
+    import jax  # after the XLA flags above are set
+    jax.clear_caches()
+
+
 @pytest.fixture(params=TUTEL_CASES)
 def tutel_case(request) -> TutelCase:
     return TutelCase(request.param)
