@@ -40,8 +40,9 @@ def check_capacity_factor(value: Any, name: str = "capacity_factor") -> float:
     return value
 
 
-def check_input(x: Any, model_dim: int, *, min_ndim: int = 1) -> None:
-    """Raises unless `x` is the layer's input: a floating-point array [..., model_dim] with >= `min_ndim` axes.
+def check_input(x: Any, model_dim: int, *, min_ndim: int = 1, valid: Any = None) -> None:
+    """Raises unless `x` is the layer's input: a floating-point array [..., model_dim] with >= `min_ndim` axes,
+    and `valid` (a padding mask) None or of x's shape without its last axis.
 
     TypeError for a non-floating dtype (an integer or bool input would be cast to the compute dtype silently,
     e.g. token ids instead of their embeddings); ValueError for a wrong shape.
@@ -54,6 +55,9 @@ def check_input(x: Any, model_dim: int, *, min_ndim: int = 1) -> None:
         layout = (f"[..., model_dim={model_dim}]" if min_ndim <= 1
                   else f"[B, ..., model_dim={model_dim}] with a leading token-batch axis")
         raise ValueError(f"x must have shape {layout}, got {tuple(x.shape)}")
+    if valid is not None and tuple(valid.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"valid must have shape {tuple(x.shape[:-1])} (x without its last axis), got "
+                         f"{tuple(valid.shape)}")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -120,6 +120,27 @@ def test_layer_equals_ragged_path(gate, postscore):
 
 
 @needs_compiler
+def test_padding_tokens_skip_the_experts():
+    """With a padding mask (`moe_apply(valid=...)`, what a padded prefill or a free decode row passes) the
+    kernel gets no assignment for a padding token (its routed output is 0) and the real tokens' outputs are
+    those of the unmasked call (to float32 rounding: a token's k expert outputs are summed in the order of the
+    experts' first use in the batch) and of the ragged path under the same mask."""
+    native, ragged, params = _layers(TOP4)
+    x = jax.random.normal(jax.random.key(7), (3, 5, 64))
+    valid = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], bool)
+    full, _ = moe_apply(params, x, native, capacity_factor=0.0)
+    y, aux = moe_apply(params, x, native, capacity_factor=0.0, valid=valid)
+    ref, _ = moe_apply(params, x, ragged, capacity_factor=0.0, valid=valid)
+    v = np.asarray(valid)
+    _close(np.asarray(y)[v], np.asarray(full)[v])
+    assert np.all(np.asarray(y)[~v] == 0)
+    _close(y, np.asarray(ref))
+    assert int(np.sum(aux.dispatch_count)) == 4 * int(v.sum())  # k = 4 assignments per real token
+    with pytest.raises(ValueError, match="valid must have shape"):
+        moe_apply(params, x, native, capacity_factor=0.0, valid=valid[:, :4])
+
+
+@needs_compiler
 def test_layer_gradients_equal_ragged_path():
     """The native forward with the 'loop' path's VJP: gradients for every parameter (gate included) and the input."""
     native, ragged, params = _layers(DEEPSEEK)

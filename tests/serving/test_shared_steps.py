@@ -79,3 +79,27 @@ def test_a_warm_generate_compiles_nothing(per_layer_jit, temperature):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiled == []
+
+
+def test_the_steps_tell_the_model_which_tokens_are_real():
+    """A prefill marks its padding columns (left padding, right padding after `last_at`) and dead rows, a decode
+    its free rows, as not real (`AttnContext.query_valid`), so that MoE layers route none of them; a prefill
+    without padding leaves the mask out (None: every token real)."""
+    seen = []
+
+    def apply(params, ids, ctx, cache, logits_at=None):
+        seen.append(None if ctx.query_valid is None else np.asarray(ctx.query_valid))
+        return jax.numpy.zeros((ids.shape[0], 1, 8)), cache
+
+    cache = [jax.numpy.zeros((3, 1, 6, 2))]
+    sampling = steps.sampling_arrays([steps.row_sampling(0, 0, 0.0, None, None, None)] * 3)
+    ids = np.zeros((3, 4), np.int32)
+    steps.prefill_body(apply, None, ids, cache, sampling)
+    steps.prefill_body(apply, None, ids, cache, sampling, pad=np.array([0, 2, 3]))
+    steps.prefill_body(apply, None, ids, cache, sampling, last_at=np.array([3, 1, 0]), live=np.array([1, 1, 0], bool))
+    steps.decode_body(apply, None, np.zeros(3, np.int32), np.array([4, 4, 4]), np.array([1, 1, 0]), cache, sampling,
+                      live=np.array([True, True, False]))
+    assert seen[0] is None
+    np.testing.assert_array_equal(seen[1], [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(seen[2], [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(seen[3], [[True], [True], [False]])

@@ -232,6 +232,7 @@ def moe_apply(
     rng: jax.Array | None = None,
     deterministic: bool = True,
     a2a_ffn_overlap_degree: int | None = None,
+    valid: jax.Array | None = None,
     run_experts: Callable | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """Runs the MoE layer on one device (`moe_pipeline` with the local runner).
@@ -245,6 +246,8 @@ def moe_apply(
       rng: key for the gate noise (used only when not deterministic and gate_noise > 0).
       deterministic: no gate noise (Tutel's eval mode).
       a2a_ffn_overlap_degree: per-call override; it aligns the capacity like in Tutel.
+      valid: [...] bool (x without its last axis) or None: padding tokens (False) take no expert slot, get a
+        zero routed-expert output (shared experts still run on them) and count nowhere in aux.
       run_experts: how the routed experts run, `fn(expert_params, tokens [S, M], plan, config) -> [S, M_out]`
         (default `run_routed_experts`: all of them here; `parallel.expert_sliced` runs this device's slice).
 
@@ -256,7 +259,8 @@ def moe_apply(
     Raises:
       TypeError for a non-floating x; ValueError for a wrong shape or bad per-call options (`routing_args`).
     """
-    check_input(x, config.model_dim)
+    check_input(x, config.model_dim, valid=valid)
     call = CallOptions(top_k=top_k, capacity_factor=capacity_factor, gate_index=gate_index,
                        a2a_ffn_overlap_degree=a2a_ffn_overlap_degree)
-    return moe_pipeline(params, x, config, call, rng=rng, deterministic=deterministic, run_experts=run_experts)
+    return moe_pipeline(params, x, config, call, rng=rng, deterministic=deterministic, valid=valid,
+                        run_experts=run_experts)

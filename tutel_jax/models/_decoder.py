@@ -57,7 +57,7 @@ def decoder_layer(lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: A
     elif moe_fn is not None:
         y, _ = moe_fn(lp["moe"], h)
     elif expert_mesh is None:
-        y, _ = moe_apply(lp["moe"], h, moe_config)  # dropless: the gate default (moe_block)
+        y, _ = moe_apply(lp["moe"], h, moe_config, valid=ctx.query_valid)  # dropless: the gate default
     else:
         y, _ = moe_apply_expert_sliced(lp["moe"], h, moe_config, *expert_mesh)
     return x + y, cache, h

@@ -113,11 +113,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
 class AttnContext(NamedTuple):
     """Where the T new tokens sit. positions [B, T] (RoPE); index: cache slot of the first new token, either
     [] int32 shared by all rows (0 without a cache) or [B] int32, each row's own slot (continuous batching);
-    key_valid [B, L] bool: slots holding real tokens (padding False)."""
+    key_valid [B, L] bool: slots holding real tokens (padding False); query_valid [B, T] bool or None: which of
+    the new tokens are real (None: all). MoE layers route only the real ones (padding takes no expert slot, and
+    the native kernel reads no weights for it); the other outputs at padding are computed but never seen."""
 
     positions: jax.Array
     index: jax.Array
     key_valid: jax.Array
+    query_valid: jax.Array | None = None
 
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:

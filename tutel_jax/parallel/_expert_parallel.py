@@ -171,13 +171,11 @@ def _check_global_shapes(params, x, config: MoEConfig, placement: ExpertParallel
     if config.num_global_experts != expected:
         raise ValueError(f"config has {config.num_global_experts} global experts, which count_per_node={n} does not "
                          f"give on an expert axis of {W} devices; build the config with world_size={W}")
-    check_input(x, config.model_dim, min_ndim=2)
+    check_input(x, config.model_dim, min_ndim=2, valid=valid)
     shards = placement.num_token_shards
     if x.shape[0] % shards:
         raise ValueError(f"x's leading dimension {x.shape[0]} must be divisible by the {shards} token shards "
                          f"(mesh axes {placement.token_axes})")
-    if valid is not None and tuple(valid.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"valid must have shape {tuple(x.shape[:-1])} (x without its last axis), got {valid.shape}")
     for leaf in jax.tree.leaves(params["experts"]):
         if leaf.shape[0] != config.num_global_experts:
             raise ValueError(f"expert parameters must be global with E={config.num_global_experts} rows, "

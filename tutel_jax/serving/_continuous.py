@@ -96,7 +96,8 @@ def _prefill_rows_body(apply, params, ids, lengths, rows, cache, sampling):
     finite [G], cache)."""
     G, Tb = ids.shape
     small = jax.tree.map(lambda c: jnp.zeros((G, c.shape[1], Tb) + c.shape[3:], c.dtype), cache)  # [G, H, Tb, D]
-    toks, ok, _, small = prefill_body(apply, params, ids, small, sampling, last_at=lengths - 1)
+    live = rows < jax.tree.leaves(cache)[0].shape[0]  # padding entries: no prompt
+    toks, ok, _, small = prefill_body(apply, params, ids, small, sampling, last_at=lengths - 1, live=live)
     cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
     return toks, ok, cache
 
@@ -263,8 +264,9 @@ class ContinuousBatcher:
     def _decode_step(self) -> list[Request]:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
+        live = np.array([r is not None for r in self.slots[:R]])  # free rows skip the experts
         toks, ok, _, self.cache = decode_step(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
-                                              steps, self.cache, s.sampling_of(R))
+                                              steps, self.cache, s.sampling_of(R), None, live)
         self.decode_steps += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
         return [req for req in list(self.slots)

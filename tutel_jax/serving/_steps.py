@@ -181,32 +181,40 @@ def _decode_context(index: jax.Array, pad: jax.Array | None, rows: int, slots: i
 
 
 def prefill_body(apply: Any, params: Any, ids: jax.Array, cache: Any, sampling: RowSampling,
-                 pad: jax.Array | None = None, last_at: jax.Array | None = None):
+                 pad: jax.Array | None = None, last_at: jax.Array | None = None, live: jax.Array | None = None):
     """Step 0: feeds the prompts ids [B, T] into cache slots 0 .. T-1 and samples each row's first token.
 
     pad [B]: left padding (see the module docstring) or None; last_at [B]: the column of each row's last
-    prompt token (None: T - 1, as left-padded rows have). Returns (tokens [B], finite [B], logits [B, V] at
-    last_at, cache)."""
+    prompt token (None: T - 1, as left-padded rows have); live [B] bool: the rows that hold a prompt (None:
+    all). Padding columns and dead rows are left out of the MoE layers' experts (`AttnContext.query_valid`).
+    Returns (tokens [B], finite [B], logits [B, V] at last_at, cache)."""
     TRACES["prefill"] += 1
     B, T = ids.shape
+    padded = pad is not None or last_at is not None or live is not None
     pad = _padding(pad, B)
     positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
-    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), _key_valid(pad, _cache_slots(cache)[1]))
     last_at = jnp.full((B,), T - 1) if last_at is None else last_at
+    columns = jnp.arange(T)[None, :]
+    real = (columns >= pad[:, None]) & (columns <= last_at[:, None]) & (True if live is None else live[:, None])
+    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), _key_valid(pad, _cache_slots(cache)[1]),
+                      real if padded else None)
     logits, cache = apply(params, ids, ctx, cache, logits_at=last_at)  # [B, 1, V]
     return (*_next_tokens(logits, jnp.zeros((B,), jnp.int32), sampling), cache)
 
 
 def decode_body(apply: Any, params: Any, tok: jax.Array, index: jax.Array, steps: jax.Array, cache: Any,
-                sampling: RowSampling, pad: jax.Array | None = None):
+                sampling: RowSampling, pad: jax.Array | None = None, live: jax.Array | None = None):
     """One decode step over the cache's first R = len(tok) rows (R <= B; the rows after them are left as they
     are): feeds tok [R] at cache slot index ([] for every row, or [R]: each row's own slot) and samples the
     next tokens, token number steps ([] or [R]) of each row. pad [R]: left padding, or None (see the module
-    docstring). Returns (tokens [R], finite [R], logits [R, V], cache [B, ...])."""
+    docstring); live [R] bool: the rows that hold a request (None: all; the others skip the MoE layers'
+    experts). Returns (tokens [R], finite [R], logits [R, V], cache [B, ...])."""
     TRACES["decode"] += 1
     R = tok.shape[0]
     B, L = _cache_slots(cache)
     ctx = _decode_context(index, pad, R, L)
+    if live is not None:
+        ctx = ctx._replace(query_valid=live[:, None])
     if R == B:
         logits, cache = apply(params, tok[:, None], ctx, cache)
     else:  # the rows past R are all free: leave them out of the step
