@@ -51,7 +51,8 @@ import numpy as np
 
 from ..models import ModelStep
 from ._sampling import NonFiniteLogitsError, check_logit_bias, check_sampling, model_context
-from ._steps import TRACES, RowSampling, decode_step, prefill_body, row_sampling, sampling_arrays, trim_bias
+from ._steps import (TRACES, RowSampling, _cache_slots, decode_step, prefill_body, row_sampling, sampling_arrays,
+                     trim_bias)
 
 __all__ = ["TRACES", "ContinuousBatcher", "Request", "prompt_bucket"]
 
@@ -96,7 +97,7 @@ def _prefill_rows_body(apply, params, ids, lengths, rows, cache, sampling):
     finite [G], cache)."""
     G, Tb = ids.shape
     small = jax.tree.map(lambda c: jnp.zeros((G, c.shape[1], Tb) + c.shape[3:], c.dtype), cache)  # [G, H, Tb, D]
-    live = rows < jax.tree.leaves(cache)[0].shape[0]  # padding entries: no prompt
+    live = rows < _cache_slots(cache)[0]  # padding entries (row B): no prompt
     toks, ok, _, small = prefill_body(apply, params, ids, small, sampling, last_at=lengths - 1, live=live)
     cache = jax.tree.map(lambda c, s: c.at[rows, :, :Tb].set(s, mode="drop"), cache, small)
     return toks, ok, cache

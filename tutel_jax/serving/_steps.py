@@ -194,10 +194,13 @@ def prefill_body(apply: Any, params: Any, ids: jax.Array, cache: Any, sampling: 
     pad = _padding(pad, B)
     positions = jnp.maximum(jnp.arange(T)[None, :] - pad[:, None], 0).astype(jnp.int32)
     last_at = jnp.full((B,), T - 1) if last_at is None else last_at
-    columns = jnp.arange(T)[None, :]
-    real = (columns >= pad[:, None]) & (columns <= last_at[:, None]) & (True if live is None else live[:, None])
-    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), _key_valid(pad, _cache_slots(cache)[1]),
-                      real if padded else None)
+    real = None  # every token real: no mask (the routing keeps its fused kernel)
+    if padded:
+        columns = jnp.arange(T)[None, :]
+        real = (columns >= pad[:, None]) & (columns <= last_at[:, None])
+        if live is not None:
+            real = real & live[:, None]
+    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), _key_valid(pad, _cache_slots(cache)[1]), real)
     logits, cache = apply(params, ids, ctx, cache, logits_at=last_at)  # [B, 1, V]
     return (*_next_tokens(logits, jnp.zeros((B,), jnp.int32), sampling), cache)
 
