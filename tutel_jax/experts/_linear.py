@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from .. import quant
 from ..native import dense, worth_it, int8_by_default
 
-__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "native_activations"]
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "matmul_out_in", "native_activations"]
 
 DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
 
@@ -47,5 +47,16 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     activations = native_activations(x, w, impl)
     if activations is not None:
         return dense(x, w, b, rows=True, activations=activations).astype(x.dtype)
-    y = quant.dense(x, w) if quant.is_quantized(w) else jnp.einsum("...k,nk->...n", x, w)
+    y = quant.dense(x, w) if quant.is_quantized(w) else matmul_out_in(x, w)
     return y if b is None else y + b
+
+
+def matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [out, in].T -> [..., out] through XLA, in the promoted dtype. Half-precision products are
+    summed in float32 and rounded once: what XLA computes for them anyway (on CPU it would otherwise convert both
+    operands, the whole weight included, to float32 in memory first, for every call; with float32 sums asked
+    for, a bfloat16 matmul runs as one)."""
+    dtype = jnp.result_type(x, w)
+    if jnp.finfo(dtype).bits >= 32:
+        return jnp.einsum("...k,nk->...n", x, w)
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import quant
-from ..experts import DENSE_IMPLS, check_dense_impl, linear, native_activations
+from ..experts import DENSE_IMPLS, check_dense_impl, linear, matmul_out_in, native_activations
 from ..native import dense
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
@@ -41,7 +41,7 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
         return dense(x, table, rows=True, activations=activations).astype(x.dtype)
     if quant.is_quantized(table):
         return quant.dense(x, table)
-    return jnp.einsum("...m,vm->...v", x, table.astype(x.dtype))
+    return matmul_out_in(x, table.astype(x.dtype))
 
 
 def swiglu_mlp(p: Mapping[str, jax.Array], x: jax.Array, impl: str = "auto") -> jax.Array:
@@ -179,7 +179,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
     else:
-        s = jnp.einsum("btgrd,bgld->bgrtl", q, k).astype(jnp.float32) * scale
+        # float32 sums, rounded to the inputs' dtype as an einsum in it returns them (XLA:CPU would otherwise
+        # convert both operands to float32 in memory first)
+        s = jnp.einsum("btgrd,bgld->bgrtl", q, k, preferred_element_type=jnp.float32)
+        s = s.astype(jnp.result_type(q, k)).astype(jnp.float32) * scale
     allowed = k_slot[..., None, :] <= q_slot[..., None]  # [T, L] or [B, T, L]
     if window is not None:
         allowed &= (q_slot[..., None] - k_slot[..., None, :]) < window
@@ -197,5 +200,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         o = jnp.sum(p[:, :, :, 0, :, None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, G, R, Dv]
         o = o[:, None].astype(v.dtype)
     else:
-        o = jnp.einsum("bgrtl,bgld->btgrd", p.astype(v.dtype), v)
+        o = jnp.einsum("bgrtl,bgld->btgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        o = o.astype(v.dtype)
     return o.reshape(B, T, Hq, v.shape[-1])
