@@ -179,10 +179,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         s = jnp.sum(q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None].astype(jnp.float32), axis=-1)
         s = s[:, :, :, None, :] * scale  # [B, G, R, 1, L]
     else:
-        # float32 sums, rounded to the inputs' dtype as an einsum in it returns them (XLA:CPU would otherwise
-        # convert both operands to float32 in memory first)
-        s = jnp.einsum("btgrd,bgld->bgrtl", q, k, preferred_element_type=jnp.float32)
-        s = s.astype(jnp.result_type(q, k)).astype(jnp.float32) * scale
+        s = jnp.einsum("btgrd,bgld->bgrtl", q, k).astype(jnp.float32) * scale
     allowed = k_slot[..., None, :] <= q_slot[..., None]  # [T, L] or [B, T, L]
     if window is not None:
         allowed &= (q_slot[..., None] - k_slot[..., None, :]) < window
@@ -200,6 +197,5 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
         o = jnp.sum(p[:, :, :, 0, :, None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, G, R, Dv]
         o = o[:, None].astype(v.dtype)
     else:
-        o = jnp.einsum("bgrtl,bgld->btgrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        o = o.astype(v.dtype)
+        o = jnp.einsum("bgrtl,bgld->btgrd", p.astype(v.dtype), v)
     return o.reshape(B, T, Hq, v.shape[-1])
