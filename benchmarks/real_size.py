@@ -133,7 +133,8 @@ def _truncated(model: Any, depth: int, per_layer_jit: bool | None = None) -> Any
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = config["layer_types"][:depth]
     params = dict(model.params, layers=model.params["layers"][:depth])
-    spec = dataclasses.replace(spec_from_config(config), dense_impl=model.spec.dense_impl)
+    spec = dataclasses.replace(spec_from_config(config), dense_impl=model.spec.dense_impl,
+                               attention_impl=model.spec.attention_impl)
     return CausalLM(spec=spec, params=params, moe_configs=model.moe_configs[:depth], config=config,
                     dtype=model.dtype, per_layer_jit=model.per_layer_jit if per_layer_jit is None else per_layer_jit)
 

@@ -119,10 +119,11 @@ def test_cpu_default_is_unchanged_numerically():
 
 def test_execution_record_validates_every_knob():
     ok = execution.Execution(kernel_backend="pallas", dropless_impl="loop", dense_impl="native",
-                             dropless_exchange="ragged", per_layer_jit=True, a2a_ffn_overlap_degree=2,
+                             attention_impl="xla", dropless_exchange="ragged", per_layer_jit=True, a2a_ffn_overlap_degree=2,
                              use_2dh=False, adaptive_r=0)
     assert ok.set_fields()["adaptive_r"] == 0 and ok.set_fields()["use_2dh"] is False
     for field, bad in [("kernel_backend", "cuda"), ("dropless_impl", "fast"), ("dense_impl", "blas"),
+                       ("attention_impl", "flash"),
                        ("dropless_exchange", "magic"), ("per_layer_jit", "yes"), ("a2a_ffn_overlap_degree", 0),
                        ("a2a_ffn_overlap_degree", True), ("adaptive_r", -1), ("use_2dh", "on")]:
         with pytest.raises(ValueError, match=field):

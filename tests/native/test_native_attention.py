@@ -18,9 +18,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from support.paths import HF
+from tutel_jax.models import from_pretrained
 from tutel_jax.models._layers import AttnContext, attend, write_cache
 from tutel_jax.native import _build as build
 from tutel_jax.native import attends_natively, decode_attention
+from tutel_jax.serving import generate
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler on this machine")
 
@@ -151,3 +154,36 @@ def test_errors_and_rule():
     assert attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8), ml_dtypes.bfloat16))
     assert not attends_natively(z((1, 2, 4, 8)), z((1, 2, 16, 8)))  # a prefill: XLA's attention
     assert not attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8), jnp.float16))
+    # the knob (`attention_impl`): 'xla' never, 'native' for every decode step, a prefill is XLA's whatever it says
+    assert not attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8)), "xla")
+    assert attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8)), "native")
+    assert not attends_natively(z((1, 2, 4, 8)), z((1, 2, 16, 8)), "native")
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        attends_natively(z((1, 1, 4, 8)), z((1, 2, 16, 8)), "flash")
+
+
+@needs_compiler
+def test_models_pick_the_decode_attention_by_attention_impl(monkeypatch):
+    """`from_pretrained(attention_impl=...)`: a GPT-OSS decode (sliding window, sinks) through the kernel and
+    through XLA's attention gives the same logits (1e-5) and tokens; only 'native' traces the kernel's call."""
+    from tutel_jax.models import _attention
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(_attention, "decode_attention", counted)
+    e = dict(np.load(HF / "gpt_oss" / "expected.npz"))
+    runs = {}
+    for impl in ("native", "xla"):
+        calls.clear()
+        model = from_pretrained(HF / "gpt_oss", attention_impl=impl, dense_impl="xla", dropless_impl="loop")
+        assert model.spec.attention_impl == impl
+        runs[impl] = generate(model, e["input_ids"], 6, return_logits=True)
+        assert bool(calls) == (impl == "native"), (impl, len(calls))
+    np.testing.assert_array_equal(runs["native"].sequences, runs["xla"].sequences)
+    np.testing.assert_allclose(np.asarray(runs["native"].logits), np.asarray(runs["xla"].logits),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        from_pretrained(HF / "gpt_oss", attention_impl="flash")

@@ -268,7 +268,7 @@ def test_fixture_models_native_equal_xla(case):
     """Every MoE layer and dense projection native: the XLA paths' logits (1e-5), and transformers' logits (the
     fixtures' 1e-4) and greedy tokens."""
     model = from_pretrained(HF / case, dropless_impl="native", dense_impl="native")
-    xla = from_pretrained(HF / case, dropless_impl="loop", dense_impl="xla")
+    xla = from_pretrained(HF / case, dropless_impl="loop", dense_impl="xla", attention_impl="xla")
     e = dict(np.load(HF / case / "expected.npz"))
     ids = jnp.asarray(e["input_ids"])
     ctx = context_from_mask(jnp.ones(ids.shape, bool))
@@ -295,5 +295,6 @@ def test_dense_auto_rule():
     bf = ml_dtypes.bfloat16  # the model in bfloat16: 'auto' decodes through the kernel, same greedy tokens
     e = dict(np.load(HF / "qwen3_moe" / "expected.npz"))
     auto = generate(from_pretrained(HF / "qwen3_moe", dtype=bf), e["input_ids"], 4).sequences
-    xla = generate(from_pretrained(HF / "qwen3_moe", dtype=bf, dense_impl="xla"), e["input_ids"], 4).sequences
+    xla = generate(from_pretrained(HF / "qwen3_moe", dtype=bf, dense_impl="xla", attention_impl="xla"),
+                   e["input_ids"], 4).sequences
     assert auto.shape == xla.shape and (auto == xla).mean() >= 0.9

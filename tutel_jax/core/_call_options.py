@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..validation import check_int
+
 __all__ = ["CallOptions", "DROPLESS_EXCHANGES"]
 
 #: how capacity_factor == 0 crosses devices (see `parallel.exchanges`)
@@ -43,8 +45,6 @@ class CallOptions:
 
     def overlap_degree(self, config) -> int:
         """The call's a2a_ffn_overlap_degree, else the config's; at least 1."""
-        degree = config.a2a_ffn_overlap_degree if self.a2a_ffn_overlap_degree is None else int(
-            self.a2a_ffn_overlap_degree)
-        if degree < 1:
-            raise ValueError(f"a2a_ffn_overlap_degree must be >= 1, got {degree}")
-        return degree
+        degree = config.a2a_ffn_overlap_degree if self.a2a_ffn_overlap_degree is None else \
+            self.a2a_ffn_overlap_degree
+        return check_int(degree, "a2a_ffn_overlap_degree", minimum=1)

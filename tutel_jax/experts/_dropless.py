@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from .. import core
 from ..native import NativeKernelError, isa_in_effect, ensure_registered, int8_by_default
 from ..routing import RoutingPlan, align_capacity
+from ..validation import check_int
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
            "extend_for_cpu", "register_dropless_path", "resolve_impl", "run_bucketed"]
@@ -72,8 +73,8 @@ def bucket_capacities(num_tokens: int, num_experts: int, top_k: int, factors: Se
       max_capacity: upper bound (default S aligned: no expert can receive more than S assignments, since a
         token's k experts are distinct).
     """
-    if num_tokens < 1 or num_experts < 1 or top_k < 1:
-        raise ValueError(f"need S, E, k >= 1, got S={num_tokens}, E={num_experts}, k={top_k}")
+    for value, name in ((num_tokens, "num_tokens"), (num_experts, "num_experts"), (top_k, "top_k")):
+        check_int(value, name, minimum=1)
     top = align_capacity(num_tokens, alignment) if max_capacity is None else int(max_capacity)
     base = math.ceil(top_k * num_tokens / num_experts)
     caps = {min(align_capacity(max(1, math.ceil(base * f)), alignment), top) for f in factors}

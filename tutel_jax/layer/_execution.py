@@ -15,13 +15,14 @@ from typing import Any
 from ..core import (KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels,
                     DROPLESS_EXCHANGES)
 from ..experts import impl_names, DENSE_IMPLS
+from ..native import ATTENTION_IMPLS
 from ..validation import check_int
 
 __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Execution", "add_arguments", "from_arguments",
            "check_kernel_backend", "kernels", "platform", "use_kernels"]
 
 #: the knobs a loaded model applies (`from_pretrained`'s arguments); the others are expert-parallel training's
-MODEL_KNOBS = ("kernel_backend", "dropless_impl", "dense_impl", "per_layer_jit")
+MODEL_KNOBS = ("kernel_backend", "dropless_impl", "dense_impl", "attention_impl", "per_layer_jit")
 #: command-line spellings of `per_layer_jit` ('auto': one program per kind of layer from 8 layers on)
 PER_LAYER_JIT = {"auto": "auto", "on": True, "off": False}
 
@@ -42,6 +43,7 @@ class Execution:
         'loop', 'gather', 'native', 'native_int8'; `tutel_jax.experts._dropless`).
       dense_impl: the dense projections of models: 'auto', 'xla', 'native' or 'native_int8'
         (`tutel_jax.experts._linear`).
+      attention_impl: a model's decode-step attention: 'auto', 'xla' or 'native' (`native.attends_natively`).
       dropless_exchange: how a dropless plan crosses devices: one of call_options.DROPLESS_EXCHANGES.
       per_layer_jit: models: one compiled program per kind of layer (True), one for the whole model (False), or
         'auto' (per layer from 8 layers on).
@@ -53,6 +55,7 @@ class Execution:
     kernel_backend: str | None = None
     dropless_impl: str | None = None
     dense_impl: str | None = None
+    attention_impl: str | None = None
     dropless_exchange: str | None = None
     per_layer_jit: bool | str | None = None
     a2a_ffn_overlap_degree: int | None = None
@@ -63,6 +66,7 @@ class Execution:
         check_kernel_backend(self.kernel_backend)
         _check_choice("dropless_impl", self.dropless_impl, impl_names())
         _check_choice("dense_impl", self.dense_impl, DENSE_IMPLS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _check_choice("dropless_exchange", self.dropless_exchange, DROPLESS_EXCHANGES)
         if self.per_layer_jit is not None and self.per_layer_jit not in (True, False, "auto"):
             raise ValueError(f"per_layer_jit must be True, False or 'auto', got {self.per_layer_jit!r}")
@@ -96,6 +100,8 @@ _FLAGS = (
     ("--dense-impl", "dense_impl",
      ("dense projections: auto (default), xla, native (CPU kernel for a few rows), native_int8 (FP4 weights "
       "times int8 activations)")),
+    ("--attention-impl", "attention_impl",
+     "decode-step attention: auto (default), xla, native (CPU kernel: cache update and attention in one call)"),
     ("--dropless-exchange", "dropless_exchange",
      f"how a dropless plan crosses devices: {', '.join(DROPLESS_EXCHANGES)}"),
     ("--per-layer-jit", "per_layer_jit", "one program per kind of layer: auto (default: from 8 layers), on, off"),

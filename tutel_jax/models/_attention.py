@@ -56,8 +56,9 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     p (see `param_layout`; linears [out, in]): qkv_proj (fused) [+ qkv_bias], or q/k/v_proj [+ q/k/v_bias]
     (quantized);
     o_proj [+ o_bias]; q_norm / k_norm [D] (spec.qk_norm 'head') or [Hq*D] / [Hkv*D] ('projection'); sinks [Hq].
-    A decode step on CPU (one token, a float32 / bfloat16 cache, dense_impl other than 'xla') writes the cache and
-    attends in one native call (`native.attention`), with `write_cache` + `attend`'s semantics."""
+    A decode step that `native.attends_natively` gives to the kernel for spec.attention_impl (on CPU by default:
+    one token, a float32 / bfloat16 cache) writes the cache and attends in one native call, with `write_cache` +
+    `attend`'s semantics."""
     B, T, _ = x.shape
     D, H, Hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     if "qkv_proj" in p:
@@ -71,7 +72,7 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     if spec.qk_norm == "head":
         q, k = rms_norm(q, p["q_norm"], spec.eps), rms_norm(k, p["k_norm"], spec.eps)
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
-    if cache is not None and spec.dense_impl != "xla" and attends_natively(q, cache["k"]):
+    if cache is not None and attends_natively(q, cache["k"], spec.attention_impl):
         # a decode step on CPU: the cache update and the attention over it in one native call, in place
         o, ck, cv = decode_attention(q, k, v, cache["k"], cache["v"], ctx.index, ctx.key_valid,
                                                       D ** -0.5, window=window, sinks=p.get("sinks"))

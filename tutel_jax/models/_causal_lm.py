@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint import open_checkpoint
+from ..native import check_attention_impl
 from ._attention import cache_dims
 from ._decoder import context_from_mask, forward
 from ._dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
@@ -95,7 +96,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     tensors: Mapping[str, np.ndarray] | None = None, *, dequantize: bool = False,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
                     kernel_backend: str | None = None, dropless_impl: str = "auto", dense_impl: str = "auto",
-                    per_layer_jit: bool | str = "auto", check_finite: bool = True) -> CausalLM:
+                    attention_impl: str = "auto", per_layer_jit: bool | str = "auto",
+                    check_finite: bool = True) -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     `dtype` of the float weights and activations (packed expert weights stay packed); 'auto': the checkpoint's
@@ -119,6 +121,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `dense_impl` of the attention projections, dense MLPs and lm_head (`layers.linear`: 'xla', 'native' (the
     C++ CPU kernel `native.dense`), 'native_int8' (FP4 weights times int8 activations) or 'auto': native on
     CPU for decode-sized batches of bfloat16 or packed weights, int8 activations for FP4 ones).
+    `attention_impl` of a decode step's attention (`native.attends_natively`: 'xla', 'native' (the C++ CPU
+    kernel: the cache update and the attention in one call) or 'auto': native on CPU where the kernel builds);
+    a prefill's attention is XLA's.
     `per_layer_jit`: compile one program per kind of block of layers (`layer_programs`: compile time flat with depth,
     one dispatch per block of up to `layer_programs.MAX_LAYERS_PER_PROGRAM` layers) instead of one program for
     the whole model; 'auto': for models of at least PER_LAYER_MIN_LAYERS layers.
@@ -147,7 +152,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         check_quantization_config(config)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
-    spec = dataclasses.replace(spec, dense_impl=check_dense_impl(dense_impl))
+    spec = dataclasses.replace(spec, dense_impl=check_dense_impl(dense_impl),
+                               attention_impl=check_attention_impl(attention_impl))
     if per_layer_jit not in (True, False, "auto"):
         raise ValueError(f"per_layer_jit must be True, False or 'auto', got {per_layer_jit!r}")
     if per_layer_jit == "auto":

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from ..validation import check_int
 from ._decoder import decoder_layer, embed, forward, head
 from ._layers import AttnContext
 from ._spec import DecoderSpec
@@ -102,8 +103,7 @@ class LayerPrograms:
     layers_per_program: int | None = None  # None: see block_size
 
     def __post_init__(self):
-        if self.layers_per_program is not None and self.layers_per_program < 1:
-            raise ValueError(f"layers_per_program must be >= 1 or None, got {self.layers_per_program!r}")
+        check_int(self.layers_per_program, "layers_per_program", minimum=1, optional=True)
 
     def __call__(self, params: dict, input_ids: jax.Array, ctx: AttnContext, cache: list | None = None,
                  logits_at: jax.Array | None = None):

@@ -86,6 +86,7 @@ class DecoderSpec:
     tie_word_embeddings: bool = False
     mla: MLASpec | None = None
     dense_impl: str = "auto"  # the dense projections' matmul: see `layers.linear` (from_pretrained's dense_impl)
+    attention_impl: str = "auto"  # a decode step's attention: see `native.attends_natively` (from_pretrained's)
 
     @property
     def last_moe_layer(self) -> int | None:

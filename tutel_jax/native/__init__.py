@@ -8,7 +8,8 @@ from ._dense import dense, worth_it
 from ._moe import moe_experts, moe_swiglu, ensure_registered
 from ._bandwidth import read_bandwidth
 from ._weights import int8_by_default
-from ._attention import attends_natively, decode_attention
+from ._attention import ATTENTION_IMPLS, attends_natively, check_attention_impl, decode_attention
 
-__all__ = ["attends_natively", "decode_attention", "ensure_registered", "int8_by_default", "isa_in_effect",
-           "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa", "moe_experts", "moe_swiglu"]
+__all__ = ["ATTENTION_IMPLS", "attends_natively", "check_attention_impl", "decode_attention", "ensure_registered",
+           "int8_by_default", "isa_in_effect", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa",
+           "moe_experts", "moe_swiglu"]

@@ -21,11 +21,13 @@ from ..core import varying_like
 from ._build import can_register, register
 from ._weights import FLOAT_DTYPES, check_max_workers
 
-__all__ = ["decode_attention", "attends_natively", "CACHE_DTYPES"]
+__all__ = ["decode_attention", "attends_natively", "check_attention_impl", "ATTENTION_IMPLS", "CACHE_DTYPES"]
 
 TARGET = "tutel_jax_decode_attention"
 _LIBRARY = ("attention_cpu", "TutelJaxDecodeAttention", TARGET)  # the source, its handler, the FFI target
 CACHE_DTYPES = FLOAT_DTYPES  # float32, bfloat16
+#: how a model's decode steps attend (`attends_natively`): 'auto', 'xla' or 'native'
+ATTENTION_IMPLS = ("auto", "xla", "native")
 
 
 def ensure_registered() -> None:
@@ -33,11 +35,22 @@ def ensure_registered() -> None:
     register(*_LIBRARY)
 
 
-def attends_natively(q: jax.Array, cache: jax.Array) -> bool:
-    """The kernel's case: CPU, one query token, a float32 or bfloat16 cache, and the kernel can be built (a
-    TUTEL_JAX_NATIVE_ISA that this CPU cannot run raises NativeKernelError)."""
-    return (q.shape[1] == 1 and jnp.dtype(cache.dtype) in CACHE_DTYPES and core.platform() == "cpu"
-            and can_register(*_LIBRARY))
+def check_attention_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return impl
+
+
+def attends_natively(q: jax.Array, cache: jax.Array, impl: str = "auto") -> bool:
+    """Whether `impl` runs this attention as the kernel: a step of one query token over a float32 or bfloat16
+    cache ('xla': never; 'auto': on CPU when the kernel can be built; 'native': always, building the kernel or
+    raising NativeKernelError). Several query tokens (a prefill) are XLA's attention whatever `impl` says."""
+    if check_attention_impl(impl) == "xla" or q.shape[1] != 1 or jnp.dtype(cache.dtype) not in CACHE_DTYPES:
+        return False
+    if impl == "native":
+        ensure_registered()
+        return True
+    return core.platform() == "cpu" and can_register(*_LIBRARY)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from pallas_kernels.gating import slot_positions_reference as slot_positions
 from pallas_kernels.gating import normalize_weights
 
+from ..validation import check_int
+
 __all__ = ["RoutingPlan", "top_k_routing", "plan_from_choices", "static_capacity", "align_capacity", "slot_positions"]
 
 
@@ -80,9 +82,7 @@ jax.tree_util.register_dataclass(
 
 def align_capacity(capacity, alignment: int):
     """Rounds `capacity` up to a multiple of `alignment` (Tutel: an alignment above 256 becomes 128)."""
-    alignment = int(alignment)
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    alignment = check_int(alignment, "alignment", minimum=1)
     if alignment > 256:
         alignment = 128
     if isinstance(capacity, int):
@@ -150,10 +150,7 @@ def top_k_routing(
     if scores.ndim != 2:
         raise ValueError(f"scores must be [S, E], got shape {scores.shape}")
     num_tokens, num_experts = scores.shape
-    top_k = int(top_k)
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    top_k = min(top_k, num_experts)
+    top_k = min(check_int(top_k, "top_k", minimum=1), num_experts)
 
     top_scores, top_ids = jax.lax.top_k(scores, top_k)  # descending, ties to the lower expert index
     expert_ids = top_ids.T.astype(jnp.int32)  # [k, S]

@@ -181,11 +181,9 @@ def _sigmoid_weights(scores: jax.Array, ids: jax.Array, normalize: bool, routed_
 
 def _check_groups(n_group: int, topk_group: int, num_experts: int) -> None:
     """Raises ValueError unless n_group divides E and 1 <= topk_group <= n_group (integers)."""
-    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group must be a positive integer dividing the number of experts {num_experts}, "
-                         f"got {n_group!r}")
-    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be an integer in [1, n_group={n_group}], got {topk_group!r}")
+    if num_experts % check_int(n_group, "n_group", minimum=1):
+        raise ValueError(f"n_group must divide the number of experts {num_experts}, got {n_group!r}")
+    check_int(topk_group, f"topk_group (n_group={n_group})", minimum=1, maximum=n_group)
 
 
 def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: float, alignment: int = 1) -> int:

@@ -28,6 +28,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..validation import check_int
+
 __all__ = ["save_checkpoint", "restore_checkpoint", "latest_step", "all_steps"]
 
 
@@ -48,9 +50,7 @@ def _manager(directory: Path, *, read_only: bool, max_to_keep: int | None = None
 
 
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return int(step)
+    return check_int(step, "step", minimum=0)
 
 
 def save_checkpoint(directory: str | os.PathLike[str], state: Any, step: int, *,
