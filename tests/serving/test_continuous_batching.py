@@ -4,6 +4,7 @@ not depend on the other rows, and the decode step compiles once."""
 
 from __future__ import annotations
 
+import time
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +199,31 @@ def test_requests_that_cannot_fit_a_row_are_refused(model):
     for bad in (Request([1] * 10, 8), Request([], 1), Request([1], 0)):
         with pytest.raises(ValueError):
             batcher.add(bad)
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 2000.0])
+def test_an_idle_engine_prefills_requests_sent_together_once(model, wait_ms):
+    """The server's continuous engine gathers jobs for batch_wait_ms after the first one into an idle engine:
+    four requests sent together share one prefill (without the wait the first one is prefilled alone); every
+    row still equals offline `generate`."""
+    import concurrent.futures
+    import threading
+
+    from tutel_jax.serving._engines import ContinuousEngine, Job
+    from tutel_jax.serving._server_config import ServerConfig
+
+    prompts = _prompts([3, 5, 4, 6], seed=3)
+    ref = _references(model, prompts, 3)
+    engine = ContinuousEngine(model, ServerConfig(max_batch_size=4, batch_wait_ms=wait_ms), max_len=32)
+    engine.start()
+    try:
+        jobs = [Job([p], 1, 3, 0.0, None, None, concurrent.futures.Future()) for p in prompts]
+        engine.submit(jobs[0])  # wakes the idle worker; the others follow from another thread, a little later
+        later = threading.Thread(target=lambda: [time.sleep(0.2) or engine.submit(j) for j in jobs[1:]])
+        later.start()
+        later.join()
+        assert [j.future.result(timeout=300)[0][0] for j in jobs] == ref
+        prefills = engine.stats()["prefills"]
+    finally:
+        engine.stop()
+    assert prefills == 1 if wait_ms else prefills >= 2, prefills

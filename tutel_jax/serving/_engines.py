@@ -170,6 +170,16 @@ class _Worker:
                                                       type="server_error"))
             self._pending = []
 
+    def _gather(self):
+        """With the lock held and a job pending: waits up to cfg.batch_wait_ms for more jobs (until
+        cfg.max_batch_size rows are pending), so that requests sent together start together."""
+        deadline = time.monotonic() + self.cfg.batch_wait_ms / 1000.0
+        while not self._stop and sum(j.rows for j in self._pending) < self.cfg.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+
     def _loop(self):
         raise NotImplementedError
 
@@ -195,14 +205,7 @@ class Engine(_Worker):
                 self._cv.wait()
             if not self._pending:
                 return None
-            deadline = time.monotonic() + self.cfg.batch_wait_ms / 1000.0
-            while not self._stop:  # gather more rows for a short while
-                if sum(j.rows for j in self._pending) >= self.cfg.max_batch_size:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
+            self._gather()
             key = self._pending[0].bucket()
             batch, rows, rest = [], 0, []
             for j in self._pending:
@@ -281,8 +284,10 @@ class ContinuousEngine(_Worker):
     once and each one is answered when its own rows are done. Greedy rows equal offline `generate`; a sampled
     row's token t uses fold_in(fold_in(key(seed), row index in its job), t), so seeded results do not depend
     on other traffic (unseeded jobs draw a random seed). batches_run counts busy periods (from an admission
-    into an idle engine until it is idle again); decode_steps the decode steps run. cfg.row_buckets: decode
-    steps run only the leading power-of-two rows holding running requests (see ContinuousBatcher)."""
+    into an idle engine until it is idle again); decode_steps and prefills the steps run. cfg.row_buckets: decode
+    steps run only the leading power-of-two rows holding running requests (see ContinuousBatcher). An idle
+    engine gathers jobs for cfg.batch_wait_ms after the first one, so that requests sent together share one
+    prefill instead of the first one's prefill and decode steps delaying the others'."""
 
     def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0, codec: TextCodec | None = None,
                  max_len: int = 256):
@@ -302,7 +307,8 @@ class ContinuousEngine(_Worker):
 
     def stats(self) -> dict:
         return {"batches_run": self.batches_run,
-                "decode_steps": 0 if self.batcher is None else self.batcher.decode_steps}
+                "decode_steps": 0 if self.batcher is None else self.batcher.decode_steps,
+                "prefills": 0 if self.batcher is None else self.batcher.prefills}
 
     def _loop(self):
         b = self.batcher
@@ -312,6 +318,8 @@ class ContinuousEngine(_Worker):
                     self._cv.wait()
                 if not self._pending and b.idle:  # stopping, and everything is answered
                     break
+                if b.idle:  # a busy period starts: requests sent together are prefilled together
+                    self._gather()
                 jobs, self._pending = self._pending, []
             if jobs and b.idle:
                 self.batches_run += 1
