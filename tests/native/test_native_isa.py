@@ -32,6 +32,8 @@ def test_isa_is_the_best_this_cpu_runs(monkeypatch):
     vnni = {"avx512": "avx512_vnni", "avx2": "avx_vnni", "neon": "asimddp"}.get(native.isa())
     assert build.dot_instruction() == (vnni is not None and vnni in build._cpu_flags())
     assert build.int8_pays_off() == (native.isa() != "portable")
+    # bfloat16 dot products exactly where the AVX-512 build runs on a CPU that has them
+    assert build.bf16_dot() == (native.isa() == "avx512" and "avx512_bf16" in build._cpu_flags())
 
 
 def test_forced_isa_must_be_known_and_runnable(monkeypatch):

@@ -281,6 +281,24 @@ def test_fixture_models_native_equal_xla(case):
 
 
 @needs_compiler
+@pytest.mark.parametrize("k", [100, 2880])  # a partial last register of 32; gpt-oss-20b's hidden size
+def test_dense_bfloat16_rows_against_float64(k):
+    """A bfloat16 [N, K] weight times 1-8 rows: exactly-bfloat16 rows (a bfloat16 model's; with AVX-512 BF16 its
+    dot products, `build.bf16_dot()`) and rows that are not (float32 FMAs) both give the float64 product at
+    float32's accuracy (float32 sums of exact products)."""
+    rng = np.random.default_rng(k)
+    w = jnp.asarray(rng.normal(size=(96, k)), jnp.bfloat16)
+    w64 = np.asarray(w, np.float64)
+    for rows in range(1, 9):
+        x32 = rng.normal(size=(rows, k)).astype(np.float32)
+        for x in (np.asarray(jnp.asarray(x32, jnp.bfloat16), np.float32), x32):
+            got = np.asarray(jax.jit(lambda x, w: dense(x, w, rows=True))(x, w), np.float64)
+            want = x.astype(np.float64) @ w64.T
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
+                                       err_msg=f"{rows} rows, K={k}")
+
+
+@needs_compiler
 def test_dense_auto_rule():
     """'auto' takes the kernel for a few rows of a bfloat16 or packed weight on CPU, XLA otherwise."""
     from tutel_jax.native._dense import MAX_ROWS, worth_it

@@ -222,6 +222,12 @@ def dot_instruction() -> bool:
     return bool(load("moe_cpu").TutelJaxDotInstruction())
 
 
+def bf16_dot() -> bool:
+    """Whether the built dense kernel multiplies a few exactly-bfloat16 rows by bfloat16 weight rows in AVX-512
+    BF16 dot products (`bf16_rows.h`; else float32 FMAs, the same sums up to their order)."""
+    return bool(load("dense_cpu").TutelJaxBf16Dot())
+
+
 def int8_pays_off() -> bool:
     """Whether 'auto' multiplies FP4 weights by int8 activations here: every ISA but the portable C++, whose byte
     dot products are a scalar loop (half its float path's speed; benchmarks/results/native_isa.md)."""

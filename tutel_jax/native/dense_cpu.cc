@@ -9,7 +9,8 @@
 // [K, N] kernel whose [R, N] output fits in L2 by blocks of its input rows (each block a contiguous stretch of
 // memory, summed into its own partial output, the partials added up in block order), a wider one by blocks of
 // 2048 columns (4 KB of each bfloat16 row). With `int8_activations`, rows times an FP4 weight take the int8 path
-// (q8_rows.h).
+// (q8_rows.h); a few rows of exactly bfloat16 values times bfloat16 rows take AVX-512 BF16 dot products where the
+// build has them (bf16_rows.h).
 
 #include <cstdint>
 #include <cstring>
@@ -54,6 +55,12 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     else
       tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
   }
+  // rows of a bfloat16 model (exactly bfloat16) times bfloat16 rows: its dot products (bf16_rows.h)
+  std::vector<uint16_t> xb;
+  if (!q8 && w.takes_bf16(xa.data(), int(R), K)) {
+    xb.resize(R * tj::bf16_row_len(K));
+    tj::to_bf16_rows(xa.data(), int(R), K, K, xb.data());
+  }
   float* out = y->typed_data();
   if (!tj::is_rows(w.fmt) && R * N * int64_t(sizeof(float)) <= kSplitMaxOutBytes) {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kSplitBlocks, K / 16));
@@ -79,7 +86,8 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   const int64_t width = w.item_width(kFloatColsPerItem);
   tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
-    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, q8 ? xq.data() : nullptr, ldq);
+    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, q8 ? xq.data() : nullptr, ldq,
+           xb.empty() ? nullptr : xb.data());
     if (bias.present())
       for (int64_t r = 0; r < R; ++r) bias.add_to(out + r * N + n0, n0, n1 - n0);
   });

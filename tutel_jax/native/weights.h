@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_rows.h"
 #include "float_cols.h"
 #include "packed_rows.h"
 #include "q8_rows.h"
@@ -68,12 +69,19 @@ struct Weight {
   // other formats multiply float32 activations.
   bool takes_q8() const { return is_fp4(fmt); }
 
+  // Whether R rows x (stride ldx) take the bfloat16 dot products (bf16_rows.h): a bfloat16-rows weight, 2 to
+  // kMaxRows rows (one row is bound by memory either way), all exactly bfloat16, and the build has them.
+  bool takes_bf16(const float* x, int R, int64_t ldx) const {
+    return kBf16Dot && fmt == kBFloat16Rows && R >= 2 && R <= kMaxRows && exactly_bf16(x, R, ldx, K);
+  }
+
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
   // (row stride ldq bytes) the same rows quantized by quantize_q8 when takes_q8() and the int8 path is asked
-  // for, else null.
+  // for, else null; xb the same rows as `to_bf16_rows` codes where takes_bf16(), else null.
   void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo,
-            const uint8_t* xq = nullptr, int64_t ldq = 0) const {
+            const uint8_t* xq = nullptr, int64_t ldq = 0, const uint16_t* xb = nullptr) const {
     if (xq != nullptr && takes_q8()) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
+    if (xb != nullptr && fmt == kBFloat16Rows) return bf16_rows(packed(e), xb, R, n0, n1, out, ldo);
     if (is_rows(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
     kernel_part(e, x, R, ldx, 0, K, n0, n1, out, ldo);
   }
