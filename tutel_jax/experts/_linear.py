@@ -57,6 +57,6 @@ def matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:
     operands, the whole weight included, to float32 in memory first, for every call; with float32 sums asked
     for, a bfloat16 matmul runs as one)."""
     dtype = jnp.result_type(x, w)
-    if jnp.finfo(dtype).bits >= 32:
+    if not (jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32):  # float32 and wider, integers
         return jnp.einsum("...k,nk->...n", x, w)
     return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(dtype)
