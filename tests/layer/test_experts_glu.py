@@ -1,4 +1,4 @@
-"""SwiGLU (fused gate/up), GPT-OSS clamped SwiGLU with biases, and shared experts against float64 NumPy written
+"""SwiGLU, GPT-OSS clamped SwiGLU with biases, and shared experts against float64 NumPy written
 from the HF formulas; the batched (capacity) and grouped (dropless) forms agree; option validation."""
 
 from __future__ import annotations
@@ -39,23 +39,27 @@ def _check_batched_and_grouped(experts, params, per_expert):
 def test_swiglu_matches_hf_formula():
     experts = make_experts({"type": "swiglu", "hidden_size_per_expert": H})
     params = experts.init(jax.random.key(0), M, E, jnp.float32)
-    assert params["gate_up_proj"].shape == (E, M, 2, H) and params["down_proj"].shape == (E, H, M)
+    assert {n: w.shape for n, w in params.items()} == {"gate_proj": (E, H, M), "up_proj": (E, H, M),
+                                                       "down_proj": (E, M, H)}
     p = _f64(params)
-    # HF per-expert weights: gate_proj.weight = gate_up_proj[e, :, 0].T [I, M], etc.
+    # HF per-expert weights [out, in], stacked: gate_proj.weight = gate_proj[e], etc.
     _check_batched_and_grouped(experts, params, lambda e, x: ref.swiglu(
-        x, p["gate_up_proj"][e, :, 0].T, p["gate_up_proj"][e, :, 1].T, p["down_proj"][e].T))
-    assert experts.hidden_axes(params) == {"gate_up_proj": 3, "down_proj": 1}
+        x, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e]))
+    assert experts.hidden_axes(params) == {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
 
 
 @pytest.mark.parametrize("limit", [7.0, 0.5])
 def test_gpt_oss_experts_match_hf_formula(limit):
     experts = make_experts({"type": "gpt_oss", "hidden_size_per_expert": H, "swiglu_limit": limit})
     params = experts.init(jax.random.key(1), M, E, jnp.float32)
+    assert params["gate_up_proj"].shape == (E, 2 * H, M) and params["down_proj"].shape == (E, M, H)
     p = _f64(params)
+    # the reference takes HF's stored [in, out]
     _check_batched_and_grouped(experts, params, lambda e, x: ref.gpt_oss_expert(
-        x, p["gate_up_proj"][e], p["gate_up_proj_bias"][e], p["down_proj"][e], p["down_proj_bias"][e], 1.702, limit))
+        x, p["gate_up_proj"][e].T, p["gate_up_proj_bias"][e], p["down_proj"][e].T, p["down_proj_bias"][e], 1.702,
+        limit))
     if limit == 0.5:  # the clamps are active on a good share of the pre-activations
-        h = _x(40, 2, 2.0) @ p["gate_up_proj"][0] + p["gate_up_proj_bias"][0]
+        h = _x(40, 2, 2.0) @ p["gate_up_proj"][0].T + p["gate_up_proj_bias"][0]
         assert (h[:, ::2] > limit).mean() > 0.1 and (np.abs(h[:, 1::2]) > limit).mean() > 0.1
 
 
@@ -118,8 +122,9 @@ def test_every_expert_type_runs_batched_grouped_and_gathered_alike(spec):
 
 
 def test_quantized_swiglu_is_swiglu_with_packed_weights():
-    """`weight_format` makes SwiGLU / GPT-OSS experts hold packed weights: the same classes, no Quant* types;
-    the quantized result equals the float experts' on the dequantized weights."""
+    """`weight_format` makes SwiGLU / GPT-OSS experts hold packed weights: the same classes, no Quant* types,
+    the same parameter tree (names and logical shapes) as float weights; the quantized result equals the float
+    experts' on the dequantized weights."""
     from tutel_jax.quant import _weights as quant_weights
     from tutel_jax.experts import GptOssExperts, SwiGLUExperts
 
@@ -129,15 +134,58 @@ def test_quantized_swiglu_is_swiglu_with_packed_weights():
     assert type(g) is GptOssExperts and g.weight_format == "mxfp4"
     params = q.init(jax.random.key(5), 32, E, jnp.float32)
     assert all(quant_weights.is_quantized(params[n]) for n in ("gate_proj", "up_proj", "down_proj"))
-    gate, up, down = (np.asarray(quant_weights.dequantize(params[n])) for n in ("gate_proj", "up_proj", "down_proj"))
-    float_params = {"gate_up_proj": jnp.asarray(np.stack([gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], 2)),
-                    "down_proj": jnp.asarray(down.transpose(0, 2, 1))}
+    float_params = {n: quant_weights.dequantize(w) for n, w in params.items()}
     f = make_experts({"type": "swiglu", "hidden_size_per_expert": 32})
+    template = jax.eval_shape(lambda: f.init(jax.random.key(0), 32, E, jnp.float32))
+    assert {n: quant_weights.logical_shape(w) for n, w in params.items()} == {n: t.shape for n, t in template.items()}
     x = jnp.asarray(np.random.default_rng(6).normal(size=(E, 5, 32)).astype(np.float32))
     np.testing.assert_allclose(np.asarray(q.batched(params, x)), np.asarray(f.batched(float_params, x)),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="weight_format"):
         make_experts({"type": "swiglu", "hidden_size_per_expert": 32, "weight_format": "int4"})
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("in_out", [False, True])
+def test_grouped_linear_primitive_reads_one_layout_against_float64(in_out, backend):
+    """The primitive takes expert weights [E, out, in] (Tutel's [E, in, out] with in_out=True) in its three modes
+    and both backends reachable on a CPU (XLA's ragged_dot_general; the Pallas kernel interpreted), value and
+    gradient, against float64: row r of expert e is x[r] @ W_e.T."""
+    from tutel_jax.experts import batched_linear, gathered_linear, grouped_linear
+
+    rng = np.random.default_rng(7)
+    n_out, n_in, sizes = 6, 5, np.array([3, 0, 4])
+    w = rng.normal(size=(E, n_out, n_in)).astype(np.float32)  # [E, out, in]
+    stored = jnp.asarray(w.transpose(0, 2, 1) if in_out else w)
+    x = rng.normal(size=(int(sizes.sum()) + 2, n_in)).astype(np.float32)  # two rows past the groups
+    rows = np.repeat(np.arange(E), sizes)
+    want = np.zeros((x.shape[0], n_out))
+    want[:len(rows)] = np.einsum("rk,rnk->rn", x[:len(rows)].astype(np.float64), w[rows].astype(np.float64))
+    tol = dict(rtol=1e-5, atol=1e-5)
+    grouped = lambda x, w: grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), backend, in_out=in_out)
+    np.testing.assert_allclose(np.asarray(grouped(jnp.asarray(x), stored)), want, **tol)
+    got_r = gathered_linear(jnp.asarray(x[:len(rows)]), stored, jnp.asarray(rows), in_out=in_out)
+    np.testing.assert_allclose(np.asarray(got_r), want[:len(rows)], **tol)
+    buf = rng.normal(size=(E, 2, n_in)).astype(np.float32)
+    want_b = np.einsum("eck,enk->ecn", buf.astype(np.float64), w.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(batched_linear(jnp.asarray(buf), stored, in_out=in_out)), want_b, **tol)
+    # d/dW of sum(y * c) is c[rows].T @ x per expert, in the weight's own layout
+    c = rng.normal(size=(x.shape[0], n_out)).astype(np.float32)
+    d_w = jax.grad(lambda w: jnp.sum(grouped(jnp.asarray(x), w) * c))(stored)
+    want_d = np.zeros(w.shape)
+    for e in range(E):
+        sel = rows == e
+        want_d[e] = c[:len(rows)][sel].astype(np.float64).T @ x[:len(rows)][sel].astype(np.float64)
+    np.testing.assert_allclose(np.asarray(d_w), want_d.transpose(0, 2, 1) if in_out else want_d, **tol)
+
+
+def test_packed_weights_have_one_layout():
+    from tutel_jax.experts import grouped_linear
+    from tutel_jax.quant import quantize
+
+    w = quantize(jnp.ones((E, 32, 32)), "mxfp4")
+    with pytest.raises(ValueError, match=r"a packed expert weight is \[E, out, in\]"):
+        grouped_linear(jnp.ones((3, 32)), w, jnp.array([1, 1, 1], jnp.int32), "xla", in_out=True)
 
 
 def test_no_import_circle_and_no_quant_experts_module():

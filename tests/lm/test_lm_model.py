@@ -167,9 +167,8 @@ def _reference_moe_hook(model, record):
         x = np.asarray(h, np.float64).reshape(-1, h.shape[-1])  # [S, M]
         logits = x @ np.asarray(p["gates"][0]["weight"], np.float64).T  # [S, E]
         ids, w = ref.softmax_topk(logits, k, normalize=True)
-        gate_up = np.asarray(p["experts"]["gate_up_proj"], np.float64)  # [E, M, 2, I]
-        down = np.asarray(p["experts"]["down_proj"], np.float64)  # [E, I, M]
-        expert = lambda e, xs: ref.swiglu(xs, gate_up[e, :, 0].T, gate_up[e, :, 1].T, down[e].T)
+        gate, up, down = (np.asarray(p["experts"][n], np.float64) for n in ("gate_proj", "up_proj", "down_proj"))
+        expert = lambda e, xs: ref.swiglu(xs, gate[e], up[e], down[e])  # [E, out, in] as HF stores them
         y = ref.moe_block(x, ids, w, expert)
         record.append({"layer": i, "shape": tuple(h.shape), "probs": ref.softmax(logits), "ids": ids})
         return jnp.asarray(y.reshape(h.shape), h.dtype), None

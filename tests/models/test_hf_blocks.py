@@ -136,8 +136,17 @@ def test_loader_layout_and_errors():
     config, tensors, _ = _case("deepseek_v3")
     moe_config, params = hf_moe_block(tensors, config)
     assert moe_config.num_global_experts == 8 and moe_config.shared_experts is not None
-    assert params["experts"]["gate_up_proj"].shape == (8, 64, 2, 48)
+    # routed and shared experts alike: [E, out, in] as stored per expert
+    assert {n: w.shape for n, w in params["experts"].items()} == {"gate_proj": (8, 48, 64), "up_proj": (8, 48, 64),
+                                                                  "down_proj": (8, 64, 48)}
+    np.testing.assert_array_equal(np.asarray(params["experts"]["up_proj"][5]),
+                                  tensors[_prefix(config) + "experts.5.up_proj.weight"])
     assert params["shared_experts"]["gate_proj"].shape == (48, 64)
+    # GPT-OSS's fused float tensors are stored [E, in, out]: loaded as [E, out, in]
+    gpt_config, gpt_tensors, _ = _case("gpt_oss")
+    _, gpt = hf_moe_block(gpt_tensors, gpt_config)
+    stored = gpt_tensors[_prefix(gpt_config) + "experts.gate_up_proj"]
+    np.testing.assert_array_equal(np.asarray(gpt["experts"]["gate_up_proj"]), np.swapaxes(stored, 1, 2))
     gate = moe_config.gates[0]
     assert (gate.n_group, gate.topk_group, gate.routed_scaling_factor) == (2, 1, 2.5)
     with pytest.raises(ValueError, match="no MoE block"):

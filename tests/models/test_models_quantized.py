@@ -79,13 +79,10 @@ def test_resident_bytes_of_a_realistic_expert_stack(fmt, limit):
 
 def _float_twin(config_q, params_q):
     """A float 'swiglu' layer holding the dequantized weights of a quantized one."""
-    e = params_q["experts"]
-    gate, up, down = (quant_weights.dequantize(e[n]) for n in ("gate_proj", "up_proj", "down_proj"))
     experts = {"type": "swiglu", "count_per_node": config_q.num_global_experts,
                "hidden_size_per_expert": config_q.experts.hidden_size_per_expert}
     params = {"gates": params_q["gates"],
-              "experts": {"gate_up_proj": jnp.stack([gate.swapaxes(1, 2), up.swapaxes(1, 2)], axis=2),
-                          "down_proj": down.swapaxes(1, 2)}}
+              "experts": {n: quant_weights.dequantize(w) for n, w in params_q["experts"].items()}}
     if "shared_experts" in params_q:
         s = params_q["shared_experts"]
         experts["shared"] = {"hidden_size": config_q.shared_experts.hidden_size}

@@ -1,4 +1,4 @@
-"""The native CPU kernel (`tutel_jax.native.moe_swiglu`, C++ through XLA FFI) and `dropless_impl='native'`.
+"""The native CPU kernel (`tutel_jax.native.moe_experts`, C++ through XLA FFI) and `dropless_impl='native'`.
 
 The kernel against a float64 NumPy re-implementation (float32 and bfloat16 weights; the few-row streaming form and
 the register-tiled form, column tails, skipped assignments; tolerance 1e-5 of the output's scale); the MoE layer
@@ -19,7 +19,7 @@ import pytest
 from tutel_jax.cli import main
 from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.models import context_from_mask, from_pretrained
-from tutel_jax.native import NativeKernelError, _build as build, moe_swiglu
+from tutel_jax.native import NativeKernelError, _build as build, moe_experts
 from tutel_jax.serving import generate
 from support.paths import HF
 
@@ -32,30 +32,35 @@ needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ com
                                                                      "built on this machine")
 
 
-def _reference(x, ids, enc, dec, gate_up, down):
-    """float64: y[s] = sum_k dec * (silu(g) * u) @ down_e with [g, u] = (enc * x[s]) @ gate_up_e."""
-    x, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
-    num_experts, hidden = down.shape[0], down.shape[1]
-    gate_up = gate_up.reshape(num_experts, x.shape[1], 2 * hidden)
-    y = np.zeros((x.shape[0], down.shape[2]))
+def _reference(x, ids, enc, dec, gate, up, down):
+    """float64: y[s] = sum_k dec * down_e . (silu(gate_e . r) * (up_e . r)) with r = enc * x[s]; weights
+    [E, out, in]."""
+    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+    y = np.zeros((x.shape[0], down.shape[1]))
     for k, s in np.ndindex(*ids.shape):
         e = int(ids[k, s])
-        if 0 <= e < num_experts:
-            h = (float(enc[k, s]) * x[s]) @ gate_up[e]
-            a = h[:hidden] / (1 + np.exp(-h[:hidden])) * h[hidden:]
-            y[s] += float(dec[k, s]) * (a @ down[e])
+        if 0 <= e < down.shape[0]:
+            r = float(enc[k, s]) * x[s]
+            g, u = gate[e] @ r, up[e] @ r
+            y[s] += float(dec[k, s]) * (down[e] @ (g / (1 + np.exp(-g)) * u))
     return y
 
 
 def _inputs(seed, tokens, k, experts, model_dim, hidden, out_dim, weight_dtype=np.float32):
+    """x [S, M], ids / enc / dec [k, S], and SwiGLU weights [E, out, in]: gate, up [E, I, M], down [E, Mo, I]."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(tokens, model_dim)).astype(np.float32)
-    gate_up = (rng.normal(size=(experts, model_dim, 2, hidden)) * model_dim ** -0.5).astype(weight_dtype)
-    down = (rng.normal(size=(experts, hidden, out_dim)) * hidden ** -0.5).astype(weight_dtype)
+    gate, up = ((rng.normal(size=(experts, hidden, model_dim)) * model_dim ** -0.5).astype(weight_dtype)
+                for _ in range(2))
+    down = (rng.normal(size=(experts, out_dim, hidden)) * hidden ** -0.5).astype(weight_dtype)
     ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)], axis=1).astype(np.int32)  # [k, S]
     enc = rng.uniform(0.5, 1.5, size=ids.shape).astype(np.float32)
     dec = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
-    return x, ids, enc, dec, gate_up, down
+    return x, ids, enc, dec, gate, up, down
+
+
+def _swiglu(x, ids, enc, dec, gate, up, down, **kw):
+    return moe_experts(x, ids, enc, dec, gate, down, up=up, **kw)
 
 
 def _close(got, ref, tol=1e-5):
@@ -72,24 +77,25 @@ SHAPES = {"decode": (8, 4, 32, 64, 48, 64), "prefill": (80, 2, 4, 64, 64, 128), 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_kernel_matches_float64_reference(shape, weights):
     dtype = np.float32 if weights == "float32" else ml_dtypes.bfloat16
-    x, ids, enc, dec, gate_up, down = _inputs(0, *SHAPES[shape], weight_dtype=dtype)
+    x, ids, enc, dec, gate, up, down = _inputs(0, *SHAPES[shape], weight_dtype=dtype)
     ids[0, 0], ids[-1, -1] = -1, 2 ** 30  # not this device's experts: skipped
     enc[0, 1] = 0.0  # dropped assignments: skipped
     dec[-1, 0] = 0.0
-    ref = _reference(x, ids, enc, dec, gate_up.astype(np.float32), down.astype(np.float32))
-    y = jax.jit(moe_swiglu)(x, ids, enc, dec, gate_up, down)
+    ref = _reference(x, ids, enc, dec, gate, up, down)
+    y = jax.jit(_swiglu)(x, ids, enc, dec, gate, up, down)
     assert y.shape == ref.shape and y.dtype == jnp.float32
     _close(y, ref)
     # one worker (no thread pool) gives the same sums up to the order of the per-worker additions
-    _close(jax.jit(lambda *a: moe_swiglu(*a, max_workers=1))(x, ids, enc, dec, gate_up, down), ref)
+    _close(jax.jit(lambda *a: _swiglu(*a, max_workers=1))(x, ids, enc, dec, gate, up, down), ref)
 
 
 @needs_compiler
-def test_kernel_flat_gate_up_layout_and_no_assignments():
-    x, ids, enc, dec, gate_up, down = _inputs(1, *SHAPES["decode"])
-    flat = gate_up.reshape(gate_up.shape[0], gate_up.shape[1], -1)  # [E, M, 2I]: the same columns
-    _close(moe_swiglu(x, ids, enc, dec, flat, down), _reference(x, ids, enc, dec, gate_up, down))
-    nothing = moe_swiglu(x, np.full_like(ids, -1), enc, dec, gate_up, down)  # every assignment elsewhere
+def test_kernel_fused_gate_up_and_no_assignments():
+    """One W1 [E, 2I, M] (gate rows, then up rows) is the same as gate and up apart."""
+    x, ids, enc, dec, gate, up, down = _inputs(1, *SHAPES["decode"])
+    fused = np.concatenate([gate, up], axis=1)
+    _close(moe_experts(x, ids, enc, dec, fused, down), _reference(x, ids, enc, dec, gate, up, down))
+    nothing = _swiglu(x, np.full_like(ids, -1), enc, dec, gate, up, down)  # every assignment elsewhere
     np.testing.assert_array_equal(np.asarray(nothing), 0.0)
 
 
@@ -211,15 +217,18 @@ def test_unsupported_experts_fail_at_config_time(experts, match):
 
 
 def test_bad_kernel_arguments():
-    x, ids, enc, dec, gate_up, down = _inputs(2, *SHAPES["decode"])
-    with pytest.raises(ValueError, match="float32 or bfloat16, got float16 and float16"):
-        moe_swiglu(x, ids, enc, dec, gate_up.astype(np.float16), down.astype(np.float16))
-    with pytest.raises(ValueError, match=r"gate_up \[E, M=64, 2I\] and down \[E, I, Mo\]"):
-        moe_swiglu(x, ids, enc, dec, gate_up, down[:, :-1])
+    x, ids, enc, dec, gate, up, down = _inputs(2, *SHAPES["decode"])
+    f16 = (a.astype(np.float16) for a in (gate, up, down))
+    with pytest.raises(ValueError, match=r"cannot read float16 weights \(float32, bfloat16 or packed only\)"):
+        _swiglu(x, ids, enc, dec, *f16)
+    with pytest.raises(ValueError, match=r"W1 must map M=64 to 2I=94 outputs \(W2 is \[I=47"):
+        _swiglu(x, ids, enc, dec, gate, up, down[:, :, :-1])
+    with pytest.raises(ValueError, match=r"expected expert weights \[E=32, out, in\]"):
+        _swiglu(x, ids, enc, dec, gate, up, down[:, :, :, None])
     with pytest.raises(ValueError, match=r"must be \[K, S=8\]"):
-        moe_swiglu(x, ids[:, :4], enc, dec, gate_up, down)
+        _swiglu(x, ids[:, :4], enc, dec, gate, up, down)
     with pytest.raises(ValueError, match="max_workers must be an integer >= 1"):
-        moe_swiglu(x, ids, enc, dec, gate_up, down, max_workers=0)
+        _swiglu(x, ids, enc, dec, gate, up, down, max_workers=0)
 
 
 @needs_compiler

@@ -86,9 +86,9 @@ def _moe_case(fmt, shape, glu, seed=0):
         b1 = rng.normal(size=(experts, 2 * hidden)).astype(np.float32)
         b2 = rng.normal(size=(experts, out_dim)).astype(np.float32)
         kwargs = dict(b1=b1, b2=b2, glu="gpt_oss", alpha=1.702, limit=7.0)
-    elif fmt in ("float32", "bfloat16"):  # float SwiGLU: one fused [E, M, 2I] kernel, gate columns first
+    elif shape == "tails":  # SwiGLU with one fused W1 [E, 2I, M]: gate rows, then up rows
         w1, w1_ref = random_weight(rng, (experts, 2 * hidden, model_dim), fmt)
-    else:  # packed SwiGLU: gate and up apart
+    else:  # SwiGLU's gate and up apart, as the experts hold them
         w1, gate_ref = random_weight(rng, (experts, hidden, model_dim), fmt)
         up, up_ref = random_weight(rng, (experts, hidden, model_dim), fmt)
         w1_ref = np.concatenate([gate_ref, up_ref], axis=1)
@@ -127,18 +127,12 @@ def check_e4m3_codes() -> None:
 def _check_dense(fmt, seed=1):
     rng = np.random.default_rng(seed)
     model_dim = DIMS[fmt][0]
-    w, w_ref = random_weight(rng, (600, model_dim), fmt)  # several output blocks (256 float columns, 64 packed rows)
+    w, w_ref = random_weight(rng, (600, model_dim), fmt)  # several 64-row output blocks, the last one partial
     b = rng.normal(size=(600,)).astype(np.float32)
-    # float weights also as rows [out, in]: the models' layout of every linear weight (`experts.linear`)
-    w_rows = jnp.swapaxes(w, -1, -2) if fmt in ("float32", "bfloat16") else None
-    dense_rows = jax.jit(lambda x, w, b=None: dense(x, w, b, rows=True))
     for rows in (1, 2, 3, 11):  # one row, two, a few, more than one register pass of 8
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)
         _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
         _close(jax.jit(dense)(x, w, b), x.astype(np.float64) @ w_ref.T + b)
-        if w_rows is not None:
-            _close(dense_rows(x, w_rows), x.astype(np.float64) @ w_ref.T)
-            _close(dense_rows(x, w_rows, b), x.astype(np.float64) @ w_ref.T + b)
 
 
 @needs_compiler
@@ -193,7 +187,7 @@ def test_dense_leading_axes_and_errors():
     with pytest.raises(ValueError, match=r"bias must be \[40\]"):
         dense(x, w, np.zeros(41, np.float32))
     with pytest.raises(ValueError, match="cannot read float16 weights"):
-        dense(x, np.zeros((64, 8), np.float16))
+        dense(x, np.zeros((8, 64), np.float16))
 
 
 @needs_compiler
@@ -292,7 +286,7 @@ def test_dense_bfloat16_rows_against_float64(k):
     for rows in range(1, 9):
         x32 = rng.normal(size=(rows, k)).astype(np.float32)
         for x in (np.asarray(jnp.asarray(x32, jnp.bfloat16), np.float32), x32):
-            got = np.asarray(jax.jit(lambda x, w: dense(x, w, rows=True))(x, w), np.float64)
+            got = np.asarray(jax.jit(dense)(x, w), np.float64)
             want = x.astype(np.float64) @ w64.T
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
                                        err_msg=f"{rows} rows, K={k}")

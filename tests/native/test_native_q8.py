@@ -164,12 +164,12 @@ def test_int8_activations_leave_other_weights_alone():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(2, 256)).astype(np.float32)
     for w in (pallas_kernels.quantize_fp8_block(jnp.asarray(rng.normal(size=(64, 256)), jnp.float32)),
-              jnp.asarray(rng.normal(size=(256, 64)), jnp.bfloat16)):
+              jnp.asarray(rng.normal(size=(64, 256)), jnp.bfloat16)):
         assert not int8_capable(w)
         np.testing.assert_array_equal(np.asarray(dense(x, w, activations="int8")), np.asarray(dense(x, w)))
     assert int8_capable("mxfp4") and int8_capable("nvfp4") and not int8_capable("fp8_block")
     with pytest.raises(ValueError, match="activations must be one of"):
-        dense(x, jnp.zeros((256, 64), jnp.bfloat16), activations="int4")
+        dense(x, jnp.zeros((64, 256), jnp.bfloat16), activations="int4")
 
 
 @needs_compiler

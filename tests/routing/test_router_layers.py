@@ -67,13 +67,13 @@ def _all_experts(config, p, x):
     """Every token through every expert, written directly from the formulas: [S, E, M]."""
     if "gate_up_proj_bias" in p:  # GPT-OSS
         ex = config.experts
-        h = jnp.einsum("sm,emn->sen", x, p["gate_up_proj"], precision=HP) + p["gate_up_proj_bias"]
+        h = jnp.einsum("sm,enm->sen", x, p["gate_up_proj"], precision=HP) + p["gate_up_proj_bias"]
         g, u = jnp.minimum(h[..., ::2], ex.swiglu_limit), jnp.clip(h[..., 1::2], -ex.swiglu_limit, ex.swiglu_limit)
         act = (u + 1) * g * jax.nn.sigmoid(ex.swiglu_alpha * g)
-        return jnp.einsum("sei,eio->seo", act, p["down_proj"], precision=HP) + p["down_proj_bias"]
-    g = jnp.einsum("sm,emi->sei", x, p["gate_up_proj"][:, :, 0], precision=HP)
-    u = jnp.einsum("sm,emi->sei", x, p["gate_up_proj"][:, :, 1], precision=HP)
-    return jnp.einsum("sei,eio->seo", jax.nn.silu(g) * u, p["down_proj"], precision=HP)
+        return jnp.einsum("sei,eoi->seo", act, p["down_proj"], precision=HP) + p["down_proj_bias"]
+    g = jnp.einsum("sm,eim->sei", x, p["gate_proj"], precision=HP)
+    u = jnp.einsum("sm,eim->sei", x, p["up_proj"], precision=HP)
+    return jnp.einsum("sei,eoi->seo", jax.nn.silu(g) * u, p["down_proj"], precision=HP)
 
 
 def _dense_layer(case, config, params, x, chosen):
@@ -221,7 +221,7 @@ def test_correction_bias_is_router_state_outside_the_optimizer():
     layer.eval()
     assert isinstance(layer.params["gates"][0]["e_score_correction_bias"], RouterState)
     trainable = jax.tree.leaves(nnx.state(layer, nnx.Param))
-    assert len(trainable) == 1 + 2 + 3  # router weight, routed experts (2), shared experts (3)
+    assert len(trainable) == 1 + 3 + 3  # router weight, routed experts (3), shared experts (3)
     optimizer = nnx.Optimizer(layer, optax.sgd(1.0), wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(1), (64, M))
 

@@ -11,12 +11,12 @@ from pallas_kernels.quant import Nvfp4Weight
 
 def random_weight(rng: np.random.Generator, shape: tuple[int, ...], fmt: str):
     """(weight, float64 [..., out, in] value) of a N(0, 1/in) weight of logical shape [..., out, in] in `fmt`:
-    'float32' / 'bfloat16' ([in, out] kernels, as the models keep float weights), 'fp8_block', 'mxfp4', 'nvfp4'
-    or 'nvfp4_mul' (ModelOpt's NVFP4, whose global scale multiplies); packed ones in the [out, in] layout."""
+    'float32' / 'bfloat16' arrays, 'fp8_block', 'mxfp4', 'nvfp4' or 'nvfp4_mul' (ModelOpt's NVFP4, whose global
+    scale multiplies) containers: every one [..., out, in], as the models keep their weights."""
     w = jnp.asarray(rng.normal(size=shape).astype(np.float32) * shape[-1] ** -0.5)
     if fmt in ("float32", "bfloat16"):
-        kernel = jnp.swapaxes(w, -1, -2).astype(fmt)
-        return kernel, np.swapaxes(np.asarray(kernel, np.float64), -1, -2)
+        w = w.astype(fmt)
+        return w, np.asarray(w, np.float64)
     if fmt == "nvfp4_mul":
         q = pallas_kernels.quantize_nvfp4(w)
         q = Nvfp4Weight(q.packed, q.scale, 1.0 / q.global_scale, global_multiplies=True)

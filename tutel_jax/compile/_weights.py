@@ -112,14 +112,13 @@ def _moe_block(t: Mapping[str, Any], config: Mapping[str, Any], layer: int, dtyp
     if family.fused_experts is None:
         g, u, d = (t[f"{p}experts.0.{n}.weight"] for n in family.expert_names)
         experts["weight_format"] = _format([g, u, d])
-        if experts["weight_format"] is not None:
-            expert_params = {k: _stacked(w, E) for k, w in zip(("gate_proj", "up_proj", "down_proj"), (g, u, d))}
-        else:  # gate_up_proj [E, M, 2, I], down_proj [E, I, M]
-            expert_params = {"gate_up_proj": _sds((E, g.shape[1], 2, g.shape[0]), g.dtype),
-                             "down_proj": _sds((E, d.shape[1], d.shape[0]), d.dtype)}
-    else:
+        expert_params = {k: _stacked(w, E) for k, w in zip(("gate_proj", "up_proj", "down_proj"), (g, u, d))}
+    else:  # float weights stored [E, in, out] become [E, out, in] (`hf_moe_block`)
         expert_params = {n: t[p + "experts." + n] for n in family.fused_experts}
         experts["weight_format"] = _format([v for n, v in expert_params.items() if not n.endswith("_bias")])
+        if experts["weight_format"] is None:
+            expert_params.update({n: _sds((v.shape[0], v.shape[2], v.shape[1]), v.dtype)
+                                  for n, v in expert_params.items() if not n.endswith("_bias")})
     raw: dict[str, Any] = {"gates": [gate_params], "experts": expert_params}
     shared = family.shared_experts(config)
     if shared is not None:

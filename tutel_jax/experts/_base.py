@@ -203,12 +203,13 @@ class FFNExperts(Experts):
         return params
 
     def apply(self, params, x, mode: Mode):
-        """The math, once: fc1 (stored [E, H, M], used transposed), bias, act, fc2, bias."""
-        h = mode.linear(x, params["batched_fc1_w"], out_in=True)
+        """The math, once: fc1 (Tutel's [E, H, M]: [out, in]), bias, act, fc2 (Tutel's [E, H, M_out]: [in, out]),
+        bias."""
+        h = mode.linear(x, params["batched_fc1_w"])
         if "batched_fc1_bias" in params:
             h = h + mode.bias(params["batched_fc1_bias"], h.dtype)
         h = self.activation_fn(h)
-        y = mode.linear(h, params["batched_fc2_w"])
+        y = mode.linear(h, params["batched_fc2_w"], in_out=True)
         if "batched_fc2_bias" in params:
             y = y + mode.bias(params["batched_fc2_bias"], y.dtype)
         return y
@@ -249,10 +250,10 @@ class LlamaFFNExperts(Experts):
         }
 
     def apply(self, params, x, mode: Mode):
-        """The math, once: `(act(x @ W_fc1) * (x @ W_fc2)) @ W_fc3`."""
-        gate = mode.linear(x, params["W_fc1"])
-        up = mode.linear(x, params["W_fc2"])
-        return mode.linear(self.activation_fn(gate) * up, params["W_fc3"])
+        """The math, once: `(act(x @ W_fc1) * (x @ W_fc2)) @ W_fc3` (Tutel's [in, out] weights)."""
+        gate = mode.linear(x, params["W_fc1"], in_out=True)
+        up = mode.linear(x, params["W_fc2"], in_out=True)
+        return mode.linear(self.activation_fn(gate) * up, params["W_fc3"], in_out=True)
 
     def batched(self, params, x):
         return self.apply(params, x, Batched(self.kernel_backend))

@@ -5,12 +5,12 @@ buffer), `grouped` (dropless, rows sorted by expert), `gathered` (dropless for a
 weights, `hidden_axes` (sharded experts, tensor parallel). The math of each is written once (`apply`) over the
 grouped-linear primitive (`grouped_linear`), which takes float arrays or packed quantized weights.
 
-With `weight_format` ('fp8_block', 'mxfp4', 'nvfp4') in the experts dict (`{'type': 'swiglu', 'weight_format':
-'nvfp4', ...}`) the same classes hold the weights quantized, as `pallas_kernels.quant` containers in the
-checkpoint's [out, in] layout (see `grouped_linear` for why float and packed layouts differ): `grouped` runs the
-dequantizing grouped matmul (`pallas_kernels.quant_gmm`: the kernel on a GPU, the float32 XLA reference
-elsewhere), `batched` and `gathered` dequantize in XLA. `init` quantizes random weights (tests, benchmarks).
-Quantized experts are for inference (no VJP) and cannot be sharded (`hidden_axes` is None).
+Every weight is [E, out, in], as the checkpoints store each expert's linear weight. With `weight_format`
+('fp8_block', 'mxfp4', 'nvfp4') in the experts dict (`{'type': 'swiglu', 'weight_format': 'nvfp4', ...}`) the
+same parameters are `pallas_kernels.quant` containers of the same logical shapes (one pytree for float and packed
+layers): `grouped` runs the dequantizing grouped matmul (`pallas_kernels.quant_gmm`: the kernel on a GPU, the
+float32 XLA reference elsewhere), `batched` and `gathered` dequantize in XLA. `init` quantizes random weights
+(tests, benchmarks). Quantized experts are for inference (no VJP) and cannot be sharded (`hidden_axes` is None).
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ from ..native import moe_experts
 __all__ = ["SwiGLUExperts", "GptOssExperts", "gpt_oss_glu"]
 
 
-def _uniform(key, shape, fan_in, dtype):
+def _uniform(key, shape, fan_in, dtype, weight_format=None):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) in `dtype`, or quantized to `weight_format` (a packed container)."""
     bound = fan_in ** -0.5
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
-
-
-def _random_quantized(key, shape, fan_in, weight_format):
-    bound = fan_in ** -0.5
-    return quant.quantize(jax.random.uniform(key, shape, jnp.float32, -bound, bound), weight_format)
+    w = jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+    return w.astype(dtype) if weight_format is None else quant.quantize(w, weight_format)
 
 
 class _GLUExperts(Experts):
@@ -81,13 +78,9 @@ class _GLUExperts(Experts):
 class SwiGLUExperts(_GLUExperts):
     """SwiGLU experts: `(act(x @ W_gate) * (x @ W_up)) @ W_down`, act = silu.
 
-    Float parameters, one fused gate/up matmul:
-      gate_up_proj [E, M, 2, I]: one matmul against its [M, 2I] view, whose first I columns are the gate and the
-        last I the up projection (HF per-expert `gate_proj.weight.T` and `up_proj.weight.T` stacked on axis 1);
-        the hidden axis (3) can be split over devices.
-      down_proj [E, I, M_out] (HF `down_proj.weight.T`).
-    Quantized parameters (`weight_format`; containers in the HF [out, in] layout, gate and up apart since each
-    has its own scales): gate_proj [E, I, M], up_proj [E, I, M], down_proj [E, M_out, I].
+    Parameters, float arrays or (`weight_format`) packed containers of the same shapes, the HF per-expert
+    `{gate,up,down}_proj.weight` stacked: gate_proj [E, I, M], up_proj [E, I, M], down_proj [E, M_out, I]. The
+    hidden axis (I) can be split over devices (float weights).
     """
 
     hidden_size_per_expert: int
@@ -97,40 +90,26 @@ class SwiGLUExperts(_GLUExperts):
     weight_format: str | None = None
 
     def init(self, key, model_dim, num_experts, dtype):
-        hidden, out_dim = self.hidden_size_per_expert, self.output_dim or model_dim
-        if self.weight_format is not None:
-            k1, k2, k3 = jax.random.split(key, 3)
-            fmt = self.weight_format
-            return {"gate_proj": _random_quantized(k1, (num_experts, hidden, model_dim), model_dim, fmt),
-                    "up_proj": _random_quantized(k2, (num_experts, hidden, model_dim), model_dim, fmt),
-                    "down_proj": _random_quantized(k3, (num_experts, out_dim, hidden), hidden, fmt)}
-        k1, k2 = jax.random.split(key)
-        return {"gate_up_proj": _uniform(k1, (num_experts, model_dim, 2, hidden), model_dim, dtype),
-                "down_proj": _uniform(k2, (num_experts, hidden, out_dim), hidden, dtype)}
+        hidden, out_dim, fmt = self.hidden_size_per_expert, self.output_dim or model_dim, self.weight_format
+        k1, k2, k3 = jax.random.split(key, 3)
+        return {"gate_proj": _uniform(k1, (num_experts, hidden, model_dim), model_dim, dtype, fmt),
+                "up_proj": _uniform(k2, (num_experts, hidden, model_dim), model_dim, dtype, fmt),
+                "down_proj": _uniform(k3, (num_experts, out_dim, hidden), hidden, dtype, fmt)}
 
     def apply(self, params, x, mode: Mode):
-        """The math, once: `down(act(gate(x)) * up(x))` (float: gate and up from one fused matmul)."""
-        act = self.activation_fn
-        if "gate_up_proj" in params:
-            gate, up = jnp.split(mode.linear(x, params["gate_up_proj"]), 2, axis=-1)
-            h = act(gate) * up
-        else:
-            h = act(mode.linear(x, params["gate_proj"])) * mode.linear(x, params["up_proj"])
+        """The math, once: `down(act(gate(x)) * up(x))`."""
+        h = self.activation_fn(mode.linear(x, params["gate_proj"])) * mode.linear(x, params["up_proj"])
         return mode.linear(h, params["down_proj"])
 
     def native_unsupported(self):
         return None if self.activation_fn is jax.nn.silu else f"the activation {self.activation_fn} (silu only)"
 
     def native(self, params, x, expert_ids, enc, dec, activations="float32"):
-        if "gate_up_proj" in params:
-            w1 = params["gate_up_proj"]
-            w1 = w1.reshape(w1.shape[0], w1.shape[1], -1)  # [E, M, 2, I] -> [E, M, 2I]: gate columns first
-            return moe_experts(x, expert_ids, enc, dec, w1, params["down_proj"], activations=activations)
         return moe_experts(x, expert_ids, enc, dec, params["gate_proj"], params["down_proj"], up=params["up_proj"],
                            activations=activations)
 
     def _hidden_axes(self, params):
-        return {"gate_up_proj": 3, "down_proj": 1}
+        return {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
 
 
 def gpt_oss_glu(h: jax.Array, alpha: float = 1.702, limit: float = 7.0) -> jax.Array:
@@ -146,10 +125,10 @@ def gpt_oss_glu(h: jax.Array, alpha: float = 1.702, limit: float = 7.0) -> jax.A
 class GptOssExperts(_GLUExperts):
     """GPT-OSS experts: `gpt_oss_glu(x @ gate_up_proj + gate_up_proj_bias) @ down_proj + down_proj_bias`.
 
-    Float parameters, in the checkpoint's own layout ([in, out], gate/up interleaved):
-      gate_up_proj [E, M, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, M_out], down_proj_bias [E, M_out].
-    Quantized (`weight_format`): gate_up_proj container [E, 2I, M] (gate/up interleaved on the out axis),
-    down_proj container [E, M_out, I]; the biases stay float.
+    Parameters ([out, in]; float arrays or, with `weight_format`, packed containers of the same shapes, the
+    biases float either way): gate_up_proj [E, 2I, M] (gate / up interleaved on the out axis), gate_up_proj_bias
+    [E, 2I], down_proj [E, M_out, I], down_proj_bias [E, M_out]. A float HF checkpoint stores the two weights
+    [E, in, out]; the loader transposes them (`models.hf_moe_block`).
     Attributes: swiglu_alpha (1.702), swiglu_limit (7.0; the config's `swiglu_limit`).
     """
 
@@ -166,12 +145,8 @@ class GptOssExperts(_GLUExperts):
         hidden, out_dim = self.hidden_size_per_expert, self.output_dim or model_dim
         k1, k2, k3, k4 = jax.random.split(key, 4)
         fmt = self.weight_format
-        if fmt is not None:
-            gate_up = _random_quantized(k1, (num_experts, 2 * hidden, model_dim), model_dim, fmt)
-            down = _random_quantized(k3, (num_experts, out_dim, hidden), hidden, fmt)
-        else:
-            gate_up = _uniform(k1, (num_experts, model_dim, 2 * hidden), model_dim, dtype)
-            down = _uniform(k3, (num_experts, hidden, out_dim), hidden, dtype)
+        gate_up = _uniform(k1, (num_experts, 2 * hidden, model_dim), model_dim, dtype, fmt)
+        down = _uniform(k3, (num_experts, out_dim, hidden), hidden, dtype, fmt)
         return {"gate_up_proj": gate_up, "gate_up_proj_bias": _uniform(k2, (num_experts, 2 * hidden), model_dim, dtype),
                 "down_proj": down, "down_proj_bias": _uniform(k4, (num_experts, out_dim), hidden, dtype)}
 
@@ -188,8 +163,8 @@ class GptOssExperts(_GLUExperts):
                            alpha=self.swiglu_alpha, limit=self.swiglu_limit, activations=activations)
 
     def _hidden_axes(self, params):
-        # interleaved gate/up: each contiguous block of 2I/r columns holds whole (gate, up) pairs
-        return {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
+        # interleaved gate/up: each contiguous block of 2I/r output rows holds whole (gate, up) pairs
+        return {"gate_up_proj": 1, "gate_up_proj_bias": 1, "down_proj": 2, "down_proj_bias": None}
 
 
 def _swiglu_factory(hidden_size_per_expert, activation_fn=None, output_dim=None, kernel_backend=None,

@@ -46,7 +46,7 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     integer dot products) or 'auto' (`native_activations`)."""
     activations = native_activations(x, w, impl)
     if activations is not None:
-        return dense(x, w, b, rows=True, activations=activations).astype(x.dtype)
+        return dense(x, w, b, activations=activations).astype(x.dtype)
     y = quant.dense(x, w) if quant.is_quantized(w) else matmul_out_in(x, w)
     return y if b is None else y + b
 

@@ -187,9 +187,9 @@ class Family:
         hidden_size_per_expert and weight_format (type, activation limits, ...).
       expert_names: per-expert SwiGLU layout: the (gate, up, down) modules under `experts.{e}.`, each
         `<name>.weight` [out, in], stacked by the loader (Mixtral ('w1', 'w3', 'w2')).
-      fused_experts: None (per-expert layout), or the tensors under `experts.` holding all experts at once,
-        taken as stored (GPT-OSS); names ending in '_bias' are biases, the others weights (which may be
-        quantized).
+      fused_experts: None (per-expert layout), or the tensors under `experts.` holding all experts at once
+        (GPT-OSS); names ending in '_bias' are biases, the others weights: stored [E, in, out] when float (the
+        loader transposes them to the experts' [E, out, in]), [E, out, in] when quantized.
       shared_experts: config -> the block's `SharedExpertTensors`, or None.
     """
 

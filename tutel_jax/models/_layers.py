@@ -38,7 +38,7 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
     `linear`."""
     activations = native_activations(x, table, impl)
     if activations is not None:
-        return dense(x, table, rows=True, activations=activations).astype(x.dtype)
+        return dense(x, table, activations=activations).astype(x.dtype)
     if quant.is_quantized(table):
         return quant.dense(x, table)
     return matmul_out_in(x, table.astype(x.dtype))

@@ -56,35 +56,27 @@ def _format_of(values: list, what: str) -> str | None:
 
 
 def _stack_swiglu(tensors, prefix: str, num_experts: int, names: tuple[str, str, str]) -> tuple[dict, str | None]:
-    """Per-expert HF [out, in] weights -> ('swiglu' params, weight format). Float: gate_up_proj [E, M, 2, I],
-    down_proj [E, I, M]; quantized: containers gate_proj / up_proj [E, I, M], down_proj [E, M, I]. Experts are
-    read one at a time into the stacked arrays (a layer's experts are never held twice)."""
-    first = _take(tensors, f"{prefix}0.{names[0]}")
-    fmt = getattr(first, "format", None)
-    del first
-    if fmt is not None:
-        return {key: quant.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)),
-                                         num_experts, what=f"{prefix}*.{n}")
-                for key, n in zip(("gate_proj", "up_proj", "down_proj"), names)}, fmt
+    """Per-expert HF [out, in] weights -> ('swiglu' params, weight format): gate_proj / up_proj [E, I, M] and
+    down_proj [E, M, I], float arrays or packed containers alike. Experts are read one at a time into the stacked
+    arrays (a layer's experts are never held twice)."""
+    params = {key: quant.stack((_take(tensors, f"{prefix}{e}.{n}") for e in range(num_experts)), num_experts,
+                               what=f"{prefix}*.{n}")
+              for key, n in zip(("gate_proj", "up_proj", "down_proj"), names)}
+    return params, _format_of(list(params.values()), prefix + "*")
 
-    def float_weight(e: int, n: str) -> np.ndarray:
-        w = _take(tensors, f"{prefix}{e}.{n}")
-        if quant.is_quantized(w):
-            raise ValueError(f"{prefix}{e}.{n} is {w.format}, unlike expert 0's {names[0]} (mixed weight formats)")
-        return w
 
-    def gate_and_up(e: int) -> np.ndarray:  # [M, 2, I]: expert e's gate and up kernels side by side
-        gate, up = float_weight(e, names[0]), float_weight(e, names[1])
-        if gate.shape != up.shape:
-            raise ValueError(f"{prefix}{e}: {names[0]} has shape {list(gate.shape)}, {names[1]} {list(up.shape)}")
-        return np.stack([gate.T, up.T], axis=1)
-
-    # float: [in, out] kernels, gate_up_proj [E, M, 2, I] and down_proj [E, I, M]
-    gate_up = quant.stack((gate_and_up(e) for e in range(num_experts)), num_experts,
-                                  what=f"{prefix}*.{names[0]}+{names[1]}")
-    down = quant.stack((float_weight(e, names[2]).T for e in range(num_experts)), num_experts,
-                               what=f"{prefix}*.{names[2]}")
-    return {"gate_up_proj": gate_up, "down_proj": down}, None
+def _fused_experts(tensors, prefix: str, names: tuple[str, ...]) -> tuple[dict, str | None]:
+    """Fused expert tensors (all experts in one) -> (params, weight format). A float weight is stored [E, in, out]
+    and becomes [E, out, in] here, one expert at a time; a packed one is [E, out, in] already; biases as stored."""
+    params = {}
+    for name in names:
+        value = _take(tensors, prefix + name)
+        if not name.endswith("_bias") and not quant.is_quantized(value):
+            if value.ndim != 3:
+                raise ValueError(f"{prefix}{name}: expected [E, in, out], got shape {list(value.shape)}")
+            value = quant.stack((value[e].T for e in range(value.shape[0])), value.shape[0], what=prefix + name)
+        params[name] = value
+    return params, _format_of([v for n, v in params.items() if not n.endswith("_bias")], prefix)
 
 
 def _shared_experts(tensors, prefix: str, hidden: int, gate_name: str | None = None) -> tuple[dict, dict]:
@@ -131,9 +123,7 @@ def hf_moe_block(tensors: Mapping[str, np.ndarray], config: Mapping, layer: int 
         expert_params, experts["weight_format"] = _stack_swiglu(
             tensors, p + "experts.", num_experts, tuple(f"{n}.weight" for n in family.expert_names))
     else:
-        expert_params = {n: _take(tensors, p + "experts." + n) for n in family.fused_experts}
-        experts["weight_format"] = _format_of([v for n, v in expert_params.items() if not n.endswith("_bias")],
-                                              p + "experts")
+        expert_params, experts["weight_format"] = _fused_experts(tensors, p + "experts.", family.fused_experts)
     shared, shared_params = family.shared_experts(config), None
     if shared is not None:
         experts["shared"], shared_params = _shared_experts(tensors, p + shared.prefix, shared.hidden_size,
@@ -186,13 +176,13 @@ def hf_moe_block_tensors(params: Mapping[str, Any], config: Mapping, layer: int)
     if unknown:
         raise ValueError(f"layer {layer}: gate parameters {unknown} have no {family.name} checkpoint name")
     out: dict[str, np.ndarray] = {p + router_names[n]: arr(v) for n, v in gate.items()}
-    if family.fused_experts is not None:
-        out.update({p + "experts." + n: arr(experts[n]) for n in family.fused_experts})
+    if family.fused_experts is not None:  # weights back to the stored [E, in, out]
+        out.update({p + "experts." + n: arr(experts[n]) if n.endswith("_bias")
+                    else np.ascontiguousarray(np.swapaxes(arr(experts[n]), 1, 2)) for n in family.fused_experts})
     else:
-        gate_up, down = arr(experts["gate_up_proj"]), arr(experts["down_proj"])  # [E, M, 2, I], [E, I, M]
-        for e in range(gate_up.shape[0]):
-            for name, w in zip(family.expert_names, (gate_up[e, :, 0].T, gate_up[e, :, 1].T, down[e].T)):
-                out[f"{p}experts.{e}.{name}.weight"] = np.ascontiguousarray(w)
+        for key, name in zip(("gate_proj", "up_proj", "down_proj"), family.expert_names):
+            w = arr(experts[key])
+            out.update({f"{p}experts.{e}.{name}.weight": np.ascontiguousarray(w[e]) for e in range(w.shape[0])})
     shared_params = dict(params.get("shared_experts") or {})
     if shared_params:
         shared = family.shared_experts(config)

@@ -5,11 +5,11 @@ attention over a static KV cache)."""
 
 from ._build import NativeKernelError, isa, isa_in_effect
 from ._dense import dense, worth_it
-from ._moe import moe_experts, moe_swiglu, ensure_registered
+from ._moe import moe_experts, ensure_registered
 from ._bandwidth import read_bandwidth
 from ._weights import int8_by_default
 from ._attention import ATTENTION_IMPLS, attends_natively, check_attention_impl, decode_attention
 
 __all__ = ["ATTENTION_IMPLS", "attends_natively", "check_attention_impl", "decode_attention", "ensure_registered",
            "int8_by_default", "isa_in_effect", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa",
-           "moe_experts", "moe_swiglu"]
+           "moe_experts"]

@@ -1,10 +1,10 @@
 """A dense linear layer for a few rows in one native CPU call (`dense_cpu.cc`, an XLA FFI custom call).
 
-    dense(x [..., K], w, b=None, rows=False) -> float32 [..., N]
+    dense(x [..., K], w [N, K], b=None) -> float32 [..., N]
 
-`w` is float rows [N, K] (`rows=True`: the models' linear weights, lm_head and tied embedding, as stored), a
-float32 / bfloat16 kernel [K, N] ([in, out]) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4,
-NVFP4) in the checkpoint's [N, K] layout. A decode step's attention
+`w` is [N, K] ([out, in], as checkpoints store linear weights): float32 / bfloat16 rows (the models' linear
+weights, lm_head and tied embedding) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4) of
+that logical shape. A decode step's attention
 projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
 packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
 `worth_it(x, w)` is the models' rule for using it (CPU, a few rows, a weight the kernel reads).
@@ -51,21 +51,21 @@ def worth_it(x: jax.Array, w: Any) -> bool:
     return available()
 
 
-def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, rows: bool = False, activations: str = "float32",
+def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, activations: str = "float32",
           max_workers: int | None = None) -> jax.Array:
-    """x [..., K] @ w (+ b [N]) -> float32 [..., N]; w a float kernel [K, N], float rows [N, K] (`rows`) or a
-    packed container [N, K]. activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
+    """x [..., K] @ w.T (+ b [N]) -> float32 [..., N]; w [N, K] float rows or a packed container.
+    activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
     workers = check_max_workers(max_workers, "dense")
     int8 = check_activations(activations, "dense")
     shape = quant.logical_shape(w)
     if len(shape) != 2:
         raise ValueError(f"dense: expected a 2-d weight, got {shape}")
-    n, k = shape if rows or quant.is_quantized(w) else shape[::-1]
+    n, k = shape
     if x.shape[-1] != k:
         raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match the weight's K={k}")
     if b is not None and tuple(b.shape) != (n,):
         raise ValueError(f"dense: bias must be [{n}], got {tuple(b.shape)}")
-    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w), rows=rows)
+    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w))
     ensure_registered()
     rows = x.reshape(-1, k).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")

@@ -7,7 +7,6 @@ decodes packed formats (FP8 block, MXFP4, NVFP4) in registers. `tutel_jax.layer.
 `dropless_impl='native'`.
 
   moe_experts(x, ids, enc, dec, w1, w2, up=..., b1=..., b2=..., glu=...)   any GLU experts, float or packed
-  moe_swiglu(x, ids, enc, dec, gate_up, down)                               float SwiGLU (fused gate_up)
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ import numpy as np
 from .. import quant
 from ..core import varying_like
 from ._build import register
-from ._weights import FLOAT_DTYPES, bias_arg, check_activations, check_max_workers, empty, weight_args
+from ._weights import bias_arg, check_activations, check_max_workers, empty, weight_args
 
-__all__ = ["moe_experts", "moe_swiglu", "GLUS", "WEIGHT_DTYPES", "ensure_registered"]
+__all__ = ["moe_experts", "GLUS", "ensure_registered"]
 
 TARGET = "tutel_jax_moe_experts"
-WEIGHT_DTYPES = FLOAT_DTYPES
 GLUS = ("swiglu", "gpt_oss")
 
 
@@ -36,11 +34,11 @@ def ensure_registered() -> None:
 
 
 def _out_in(w: Any, num_experts: int) -> tuple[int, int]:
-    """(N, K) of an expert weight: float kernels are [E, K, N], packed containers [E, N, K]."""
+    """(N, K) of an expert weight [E, N, K] (float or packed)."""
     shape = quant.logical_shape(w)
     if len(shape) != 3 or shape[0] != num_experts:
-        raise ValueError(f"moe_experts: expected expert weights [E={num_experts}, ., .], got {shape}")
-    return (shape[1], shape[2]) if quant.is_quantized(w) else (shape[2], shape[1])
+        raise ValueError(f"moe_experts: expected expert weights [E={num_experts}, out, in], got {shape}")
+    return shape[1], shape[2]
 
 
 def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array, w1: Any, w2: Any, *,
@@ -53,9 +51,9 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
     `pallas_kernels.quant`'s reference dequantizers do).
       x [S, M]; expert_ids [K, S] (ids outside [0, E) are skipped: another device's experts); enc, dec [K, S]
       (an assignment with a zero weight is skipped: dropped).
-      w1: the first matmul's weight of 2I outputs (float kernel [E, M, 2I], or packed [E, 2I, M]); with `up`,
-        w1 is the gate weight and `up` the up weight, I outputs each (packed SwiGLU checkpoints).
-      w2: [E, I, Mo] float, or packed [E, Mo, I].  b1 [E, 2I], b2 [E, Mo]: optional biases (float32 and bfloat16
+      w1: the first matmul's weight of 2I outputs [E, 2I, M]; with `up`, w1 is the gate weight and `up` the up
+        weight, [E, I, M] each (SwiGLU experts). Every weight is [E, out, in], float32 / bfloat16 or packed.
+      w2: [E, Mo, I].  b1 [E, 2I], b2 [E, Mo]: optional biases (float32 and bfloat16
         ones are read as they are, only the used experts' rows).
       glu: 'swiglu' (h = [gate | up] halves: silu(gate) * up) or 'gpt_oss' (h interleaved, gate = even and up =
         odd columns: `experts_glu.gpt_oss_glu` with alpha and limit).
@@ -104,18 +102,3 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
     # inside shard_map the result varies wherever an input does (the custom call's type does not say so)
     return varying_like(y, x, expert_ids, enc, dec, *jax.tree_util.tree_leaves((w1, up, w2, b1, b2)))
 
-
-def moe_swiglu(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Array, gate_up: jax.Array,
-               down: jax.Array, *, max_workers: int | None = None) -> jax.Array:
-    """Float SwiGLU experts: gate_up [E, M, 2, I] or [E, M, 2I] (gate columns first), down [E, I, Mo], float32
-    or bfloat16 (both the same); see `moe_experts`."""
-    if gate_up.ndim == 4:
-        gate_up = gate_up.reshape(gate_up.shape[0], gate_up.shape[1], -1)
-    if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0] \
-            or gate_up.shape[2] != 2 * down.shape[1] or gate_up.shape[1] != x.shape[-1]:
-        raise ValueError(f"moe_swiglu: expected gate_up [E, M={x.shape[-1]}, 2I] and down [E, I, Mo], got "
-                         f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if gate_up.dtype != down.dtype or jnp.dtype(gate_up.dtype) not in WEIGHT_DTYPES:
-        raise ValueError(f"moe_swiglu: expert weights must both be float32 or bfloat16, got {gate_up.dtype} and "
-                         f"{down.dtype}")
-    return moe_experts(x, expert_ids, enc, dec, gate_up, down, max_workers=max_workers)

@@ -2,8 +2,7 @@
 
     weight_args(w) -> (format, data, scale, global_scale)
 
-  float32 / bfloat16 kernel [E, K, N] ([in, out])       -> FLOAT32 / BFLOAT16, data as is
-  float32 / bfloat16 rows [E, N, K] ([out, in], `rows`)  -> FLOAT32_ROWS / BFLOAT16_ROWS (an lm_head as stored)
+  float32 / bfloat16 rows [E, N, K] ([out, in])         -> FLOAT32 / BFLOAT16, data as is
   a packed container [E, N, K] (`pallas_kernels.quant`)  -> its format's `native_args`: FP8_BLOCK (e4m3 codes,
                                                             float32 scale_inv), MXFP4 (codes uint8 [E, N, K/2],
                                                             E8M0 scales), NVFP4 / NVFP4_MUL (codes, e4m3 scales,
@@ -28,11 +27,11 @@ from .. import quant
 from ..validation import check_int
 from ._build import int8_pays_off
 
-__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "FLOAT32_ROWS", "BFLOAT16_ROWS",
-           "ACTIVATIONS", "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
+__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "ACTIVATIONS",
+           "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
            "int8_capable", "int8_by_default", "bias_arg"]
 
-FLOAT32, BFLOAT16, FLOAT32_ROWS, BFLOAT16_ROWS = 0, 1, 6, 7
+FLOAT32, BFLOAT16 = 0, 1  # float [E, N, K] rows
 # the packed formats' ids live in their format modules
 FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = fp8_block.NATIVE_ID, mxfp4.NATIVE_ID, nvfp4.NATIVE_ID, nvfp4.NATIVE_ID_MULTIPLIES
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -90,14 +89,11 @@ def unsupported(w: Any) -> str | None:
     return None
 
 
-def weight_args(w: Any, rows: bool = False) -> tuple[int, jax.Array, jax.Array, jax.Array]:
-    """(format, data, scale, global) of a float kernel [E, K, N] (`rows`: float rows [E, N, K]) or a packed
-    container [E, N, K]."""
+def weight_args(w: Any) -> tuple[int, jax.Array, jax.Array, jax.Array]:
+    """(format, data, scale, global) of a weight [E, N, K]: float rows or a packed container."""
     reason = unsupported(w)
     if reason is not None:
         raise ValueError(f"the native kernels cannot read {reason}")
     if not quant.is_quantized(w):
-        if rows:
-            return (FLOAT32_ROWS if w.dtype == jnp.float32 else BFLOAT16_ROWS), w, empty(), empty()
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()
     return format_of(w).native_args(w)

@@ -1,16 +1,13 @@
 // tutel-jax native CPU kernel: a dense linear layer for a few rows, as an XLA FFI custom call.
 //
-//   y [R, N] = x [R, K] @ W (+ b [N], float32 or bfloat16)
+//   y [R, N] = x [R, K] @ W.T (+ b [N], float32 or bfloat16)
 //
-// W float32 / bfloat16 [K, N] ([in, out]), or [N, K] rows: packed FP8 block / MXFP4 / NVFP4 (the checkpoint's
-// [out, in], decoded in registers) or float (an lm_head as stored); see weights.h. Every weight byte is read
-// once: the layer runs at the speed of memory, not at XLA:CPU's (which converts a bfloat16 or packed weight to
-// float32 in memory before its matmul). Work over XLA's intra-op thread pool: rows by blocks of outputs; a
-// [K, N] kernel whose [R, N] output fits in L2 by blocks of its input rows (each block a contiguous stretch of
-// memory, summed into its own partial output, the partials added up in block order), a wider one by blocks of
-// 2048 columns (4 KB of each bfloat16 row). With `int8_activations`, rows times an FP4 weight take the int8 path
-// (q8_rows.h); a few rows of exactly bfloat16 values times bfloat16 rows take AVX-512 BF16 dot products where the
-// build has them (bf16_rows.h).
+// W [N, K] rows ([out, in], as checkpoints store linear weights): float32 / bfloat16, or packed FP8 block / MXFP4
+// / NVFP4 decoded in registers; see weights.h. Every weight byte is read once: the layer runs at the speed of
+// memory, not at XLA:CPU's (which converts a bfloat16 or packed weight to float32 in memory before its matmul).
+// Work over XLA's intra-op thread pool by blocks of 64 output rows. With `int8_activations`, rows times an FP4
+// weight take the int8 path (q8_rows.h); a few rows of exactly bfloat16 values times bfloat16 rows take AVX-512
+// BF16 dot products where the build has them (bf16_rows.h).
 
 #include <cstdint>
 #include <cstring>
@@ -23,10 +20,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kFloatColsPerItem = 2048;       // a wide [K, N] kernel: columns per item
-constexpr int64_t kSplitMaxOutBytes = 256 << 10;  // [R, N] partial outputs up to this size: split K instead
-constexpr int64_t kSplitBlocks = 32;              // input-row blocks of a split kernel
-
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_data, ffi::AnyBuffer w_scale,
                      ffi::AnyBuffer w_global, ffi::AnyBuffer b, ffi::Result<ffi::Buffer<ffi::F32>> y,
                      int64_t format, bool int8_activations, int64_t max_workers) {
@@ -36,7 +29,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::string err = tj::parse_weight("weight", format, w_data, w_scale, w_global, &w);
   if (!err.empty()) return ffi::Error::InvalidArgument("dense: " + err);
   const int64_t R = xd[0], K = xd[1], N = w.N;
-  if (w.E != 1 || w.K != K) return ffi::Error::InvalidArgument("dense: weight must be [1, K, N] or packed [1, N, K']");
+  if (w.E != 1 || w.K != K) return ffi::Error::InvalidArgument("dense: weight must be [1, N, K] rows");
   const tj::Bias bias(b);
   if ((bias.present() && bias.size != N) || !bias.valid())
     return ffi::Error::InvalidArgument("dense: bias must be float32 or bfloat16 [N]");
@@ -62,28 +55,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     tj::to_bf16_rows(xa.data(), int(R), K, K, xb.data());
   }
   float* out = y->typed_data();
-  if (!tj::is_rows(w.fmt) && R * N * int64_t(sizeof(float)) <= kSplitMaxOutBytes) {
-    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kSplitBlocks, K / 16));
-    const int64_t step = (K + blocks - 1) / blocks;
-    std::vector<float> partial(blocks * R * N, 0.0f);
-    tj::run_items(pool, blocks, max_workers, [&](int64_t i) {
-      const int64_t k0 = i * step, k1 = std::min(K, k0 + step);
-      if (k0 < k1) w.kernel_part(0, xa.data(), int(R), K, k0, k1, 0, N, partial.data() + i * R * N, N);
-    });
-    constexpr int64_t kSumCols = 1024;
-    tj::run_items(pool, (N + kSumCols - 1) / kSumCols, max_workers, [&](int64_t j) {
-      const int64_t n0 = j * kSumCols, n1 = std::min(N, n0 + kSumCols);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t n = n0; n < n1; ++n) {
-          float acc = 0.0f;
-          if (bias.present()) bias.add_to(&acc, n, 1);  // the bias first, as XLA's bias add orders it
-          for (int64_t i = 0; i < blocks; ++i) acc += partial[(i * R + r) * N + n];
-          out[r * N + n] = acc;
-        }
-    });
-    return ffi::Error::Success();
-  }
-  const int64_t width = w.item_width(kFloatColsPerItem);
+  const int64_t width = tj::Weight::kItemRows;
   tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
     const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
     w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, q8 ? xq.data() : nullptr, ldq,

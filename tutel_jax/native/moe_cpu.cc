@@ -7,8 +7,8 @@
 //                    up = clip(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate)
 //
 // x [S, M] f32, ids [K, S] s32, enc / dec [K, S] f32 -> y [S, Mo] f32. W1 is one weight of 2I outputs, or (with
-// `split_up`) a gate and an up weight of I outputs each; W2 has Mo outputs over I inputs; each weight float
-// [E, in, out] or packed [E, out, in] (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32 or bfloat16 (read as
+// `split_up`) a gate and an up weight of I outputs each; W2 has Mo outputs over I inputs; each weight [E, out,
+// in] rows, float or packed (see weights.h); b1 [E, 2I] and b2 [E, Mo] float32 or bfloat16 (read as
 // they are: only the used experts' rows), or empty.
 // With `int8_activations`, an FP4 weight's (MXFP4, NVFP4) activation rows are quantized to int8 per block of 32
 // (q8_rows.h: integer dot products, llama.cpp's Q8_0 activations), however many rows an expert received.
@@ -218,8 +218,8 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<Item> items;
   for (int64_t j = 0; j < int64_t(used.size()); ++j)
     for (int64_t p = 0; p < int64_t(w1.size()); ++p)
-      for (int64_t n0 = 0; n0 < w1[p].N; n0 += w1[p].item_width())
-        items.push_back({j, p, n0, std::min(w1[p].N, n0 + w1[p].item_width())});
+      for (int64_t n0 = 0; n0 < w1[p].N; n0 += tj::Weight::kItemRows)
+        items.push_back({j, p, n0, std::min(w1[p].N, n0 + tj::Weight::kItemRows)});
   tj::run_items(pool, int64_t(items.size()), max_workers, [&](int64_t i) {
     const Item& it = items[i];
     const UsedExpert& u = used[it.j];
@@ -244,7 +244,7 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   });
 
   // (3) W2 by output blocks over all used experts
-  const int64_t width = w2.item_width();
+  const int64_t width = tj::Weight::kItemRows;
   tj::run_items(pool, (Mo + width - 1) / width, max_workers, [&](int64_t b) {
     const int64_t n0 = b * width, n1 = std::min(Mo, n0 + width), bw = n1 - n0;
     std::vector<float> tmp, row(bw);

@@ -29,19 +29,14 @@
 
 namespace tj {
 
-// The weight formats, as the Python side numbers them (tutel_jax/native/weights.py).
-// kFloat32 / kBFloat16: [K, N] kernels (float_cols.h). The others are [N, K] rows (this file): kNvfp4Mul is NVFP4
-// whose global scale multiplies (ModelOpt's weight_scale_2); kFloat32Rows / kBFloat16Rows are float [N, K] weights
-// (an lm_head or a tied embedding as stored).
-enum Format : int {
-  kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5, kFloat32Rows = 6,
-  kBFloat16Rows = 7
-};
+// The weight formats, as the Python side numbers them (tutel_jax/native/_weights.py). Every weight is [N, K]
+// rows ([out, in], as checkpoints store linear weights): float32 / bfloat16, or packed; kNvfp4Mul is NVFP4 whose
+// global scale multiplies (ModelOpt's weight_scale_2).
+enum Format : int { kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5 };
 
 inline bool is_nv(int fmt) { return fmt == kNvfp4 || fmt == kNvfp4Mul; }
 inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
 inline bool is_packed(int fmt) { return fmt == kFp8Block || is_fp4(fmt); }
-inline bool is_rows(int fmt) { return is_packed(fmt) || fmt == kFloat32Rows || fmt == kBFloat16Rows; }
 
 // Elements per block scale of an FP4 format (MXFP4 32, NVFP4 16).
 inline int64_t fp4_block(int fmt) { return fmt == kMxfp4 ? 32 : 16; }
@@ -85,8 +80,8 @@ inline void scale_table(const PackedWeight& w, float table[256]) {
 
 // Weight element k of row n as float32 (the portable path and the K tails).
 inline float decode_one(const PackedWeight& w, const float* table, int64_t n, int64_t k) {
-  if (w.fmt == kFloat32Rows) return reinterpret_cast<const float*>(w.data)[n * w.K + k];
-  if (w.fmt == kBFloat16Rows) return bf16_to_float(reinterpret_cast<const uint16_t*>(w.data)[n * w.K + k]);
+  if (w.fmt == kFloat32) return reinterpret_cast<const float*>(w.data)[n * w.K + k];
+  if (w.fmt == kBFloat16) return bf16_to_float(reinterpret_cast<const uint16_t*>(w.data)[n * w.K + k]);
   if (w.fmt == kFp8Block) {
     const float* s = reinterpret_cast<const float*>(w.scale);
     const int64_t cols = (w.K + kFp8Tile - 1) / kFp8Tile;
@@ -247,7 +242,7 @@ TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
   if (w.fmt == kFp8Block) {
     const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
     fn(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
-  } else if (w.fmt == kFloat32Rows) {
+  } else if (w.fmt == kFloat32) {
     fn(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr});
   } else {
     fn(FloatRowChunks{nullptr, reinterpret_cast<const uint16_t*>(w.data) + n * K});

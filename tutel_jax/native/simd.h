@@ -43,25 +43,23 @@ namespace tj {
 enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 
 // What the register file of each ISA holds: the register width in floats, activation rows per register pass over
-// a packed row (more rows: decoded tiles), the many-row form's register tile (activation rows x weight rows) and
-// float_cols' register tile (rows x registers of columns).
+// a packed row (more rows: decoded tiles) and the many-row form's register tile (activation rows x weight rows).
 struct RegisterBudget {
   Isa isa;
-  int lanes, max_rows, tile_x, tile_w, col_tile_rows, col_tile_vectors;
+  int lanes, max_rows, tile_x, tile_w;
 };
 #if defined(TJ_ISA_AVX512)
-constexpr RegisterBudget kBudget{kAvx512, 16, 8, 4, 4, 4, 4};  // 32 registers of 16
+constexpr RegisterBudget kBudget{kAvx512, 16, 8, 4, 4};  // 32 registers of 16
 #elif defined(TJ_ISA_AVX2)
-constexpr RegisterBudget kBudget{kAvx2, 8, 4, 3, 3, 4, 3};  // 16 registers of 8
+constexpr RegisterBudget kBudget{kAvx2, 8, 4, 3, 3};  // 16 registers of 8
 #elif defined(TJ_ISA_NEON)
-constexpr RegisterBudget kBudget{kNeon, 4, 8, 4, 4, 4, 6};  // 32 registers of 4
+constexpr RegisterBudget kBudget{kNeon, 4, 8, 4, 4};  // 32 registers of 4
 #else
-constexpr RegisterBudget kBudget{kPortable, 8, 4, 2, 2, 2, 4};
+constexpr RegisterBudget kBudget{kPortable, 8, 4, 2, 2};
 #endif
 constexpr Isa kIsa = kBudget.isa;
 constexpr int kNativeLanes = kBudget.lanes, kMaxRows = kBudget.max_rows;
 constexpr int kTileX = kBudget.tile_x, kTileW = kBudget.tile_w;
-constexpr int kColTileRows = kBudget.col_tile_rows, kColTileVectors = kBudget.col_tile_vectors;
 
 #if defined(TUTEL_JAX_REQUIRE_ISA)
 static_assert(int(kIsa) == TUTEL_JAX_REQUIRE_ISA, "the compiler flags do not target the requested instruction set");

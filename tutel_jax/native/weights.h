@@ -1,9 +1,8 @@
-// tutel-jax native CPU kernels: one weight tensor as the FFI hands it over (float [E, K, N] kernels or packed
-// [E, N, K'] checkpoint tensors with their scales), and the work pool shared by the kernels.
+// tutel-jax native CPU kernels: one weight tensor as the FFI hands it over ([E, N, K] rows, [out, in] as
+// checkpoints store linear weights: float, or packed with their scales), and the work pool shared by the kernels.
 //
-// The Python side (tutel_jax/native/weights.py) passes every weight as three buffers and a format number:
-//   float32 / bfloat16   data [E, K, N]                              (scale, global: empty)
-//   the same as rows     data [E, N, K]                              (formats 6 and 7)
+// The Python side (tutel_jax/native/_weights.py) passes every weight as three buffers and a format number:
+//   float32 / bfloat16   data [E, N, K]                              (scale, global: empty)
 //   FP8 block            data e4m3 (or its bytes as uint8) [E, N, K], scale float32 [E, ceil(N/128), ceil(K/128)]
 //   MXFP4                data uint8 [E, N, K/2], scale uint8 [E, N, K/32]
 //   NVFP4                data uint8 [E, N, K/2], scale e4m3 (or uint8) [E, N, K/16], global float32 [E]
@@ -22,7 +21,6 @@
 #include <vector>
 
 #include "bf16_rows.h"
-#include "float_cols.h"
 #include "packed_rows.h"
 #include "q8_rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -39,8 +37,8 @@ struct Weight {
   const float* global = nullptr;
   int64_t data_stride = 0, scale_stride = 0;  // bytes per expert
 
-  // Output units per work item: 64 packed rows, or 64-column tiles of a float kernel (`cols_per_item` of them).
-  int64_t item_width(int64_t cols_per_item = 64) const { return is_rows(fmt) ? 64 : cols_per_item; }
+  // Output rows per work item.
+  static constexpr int64_t kItemRows = 64;
 
   PackedWeight packed(int64_t e) const {
     PackedWeight p;
@@ -53,17 +51,6 @@ struct Weight {
     return p;
   }
 
-  // A float [K, N] kernel over inputs [k0, k1) only: out[r, n - n0] = sum_{k0 <= k < k1} x[r, k] * W_e[k, n].
-  void kernel_part(int64_t e, const float* x, int R, int64_t ldx, int64_t k0, int64_t k1, int64_t n0, int64_t n1,
-                   float* out, int64_t ldo) const {
-    if (fmt == kFloat32) {
-      const float* w0 = reinterpret_cast<const float*>(data + e * data_stride) + k0 * N;
-      return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
-    }
-    const uint16_t* w0 = reinterpret_cast<const uint16_t*>(data + e * data_stride) + k0 * N;
-    return float_cols(w0, N, k1 - k0, x + k0, R, ldx, n0, n1, out, ldo);
-  }
-
   // Whether activation rows take the int8 path (`quantize_q8`, q8_rows.h) when it is asked for: FP4 weights, any
   // number of rows (a prefill's too: integer dot products do four times a float FMA's work per instruction);
   // other formats multiply float32 activations.
@@ -72,7 +59,7 @@ struct Weight {
   // Whether R rows x (stride ldx) take the bfloat16 dot products (bf16_rows.h): a bfloat16-rows weight, 2 to
   // kMaxRows rows (one row is bound by memory either way), all exactly bfloat16, and the build has them.
   bool takes_bf16(const float* x, int R, int64_t ldx) const {
-    return kBf16Dot && fmt == kBFloat16Rows && R >= 2 && R <= kMaxRows && exactly_bf16(x, R, ldx, K);
+    return kBf16Dot && fmt == kBFloat16 && R >= 2 && R <= kMaxRows && exactly_bf16(x, R, ldx, K);
   }
 
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
@@ -81,9 +68,8 @@ struct Weight {
   void rows(int64_t e, const float* x, int R, int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo,
             const uint8_t* xq = nullptr, int64_t ldq = 0, const uint16_t* xb = nullptr) const {
     if (xq != nullptr && takes_q8()) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
-    if (xb != nullptr && fmt == kBFloat16Rows) return bf16_rows(packed(e), xb, R, n0, n1, out, ldo);
-    if (is_rows(fmt)) return packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
-    kernel_part(e, x, R, ldx, 0, K, n0, n1, out, ldo);
+    if (xb != nullptr && fmt == kBFloat16) return bf16_rows(packed(e), xb, R, n0, n1, out, ldo);
+    packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
   }
 };
 
@@ -127,13 +113,12 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
   w->fmt = int(fmt);
   w->E = d[0];
   w->data = static_cast<const uint8_t*>(data.untyped_data());
-  const bool kernel = fmt == kFloat32 || fmt == kBFloat16, rows = fmt == kFloat32Rows || fmt == kBFloat16Rows;
-  if (kernel || rows) {  // [E, K, N] kernel or [E, N, K] rows
-    const bool f32 = fmt == kFloat32 || fmt == kFloat32Rows;
+  if (fmt == kFloat32 || fmt == kBFloat16) {  // [E, N, K] rows
+    const bool f32 = fmt == kFloat32;
     if (data.element_type() != (f32 ? ffi::DataType::F32 : ffi::DataType::BF16))
       return name + ": dtype does not match its format";
-    w->K = kernel ? d[1] : d[2];
-    w->N = kernel ? d[2] : d[1];
+    w->N = d[1];
+    w->K = d[2];
     w->data_stride = d[1] * d[2] * (f32 ? 4 : 2);
     return "";
   }
