@@ -7,7 +7,7 @@
 
 import sys
 
-from tutel_jax.serving._generate_cli import main
+from tutel_jax.serving import generate_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,9 +8,8 @@ from __future__ import annotations
 import sys
 
 from .cli_args import SPELLING_NOTE
-from .compile._cli import main as compile_main
-from .serving._generate_cli import main as generate
-from .serving._server import main as serve
+from .compile import main as compile_main
+from .serving import generate_main as generate, serve_main as serve
 
 COMMANDS = {
     "serve": "OpenAI-compatible HTTP server for a checkpoint (continuous batching, streaming)",

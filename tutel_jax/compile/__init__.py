@@ -11,5 +11,6 @@ steps as per-layer programs), `roofline` (the analytic FLOPs / HBM bytes of a st
 from ._hardware import HARDWARE, Hardware
 from ._topology import DevicelessUnavailable, Target, TargetError, parse_target
 from ._driver import compile_model
+from ._cli import main
 
-__all__ = ["compile_model", "HARDWARE", "Hardware", "Target", "TargetError", "DevicelessUnavailable", "parse_target"]
+__all__ = ["main", "compile_model", "HARDWARE", "Hardware", "Target", "TargetError", "DevicelessUnavailable", "parse_target"]

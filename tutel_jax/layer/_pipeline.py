@@ -34,7 +34,7 @@ class MoEAux:
       capacity: [] int32 Tutel's capacity C.
       dropped_fraction: [] float32 fraction of the k*S assignments dropped.
       losses: {name: [] float32} every balance loss a router gate computes ('switch', 'gshard', 'seq_aux',
-        'z_loss'; see `routing.router_plan`), unweighted; empty for Tutel's gates.
+        'z_loss'; see `routing.route_tokens`), unweighted; empty for Tutel's gates.
     """
 
     l_aux: jax.Array

@@ -6,8 +6,6 @@ Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, 
 Every error, unknown routes, wrong methods and validation errors included, has the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`; `RequestGuard` bounds the body's size and read time."""
 
-from __future__ import annotations
-
 import asyncio
 import concurrent.futures
 import json
@@ -29,11 +27,6 @@ from ._http_guard import RequestGuard
 from ._sampling import model_context
 from ._server_config import ServerConfig
 from ._tokenizer import TextCodec, eos_token_ids
-
-try:  # the `serve` extra; only the app needs it (annotations below are resolved in this module's globals)
-    from fastapi import Request
-except ImportError:  # pragma: no cover
-    Request = Any
 
 log = logging.getLogger("tutel_jax.serving")
 
@@ -192,7 +185,9 @@ def create_app(model_path: str | os.PathLike, cfg: ServerConfig | None = None, m
                warmup: bool = True):
     """The FastAPI app serving the checkpoint at `model_path` (loaded unless `model` is given)."""
 
-    from fastapi import FastAPI
+    # the `serve` extra, imported here only: the routes' annotations (no `from __future__ import annotations` in
+    # this module) are the objects themselves, so FastAPI sees `Request` without a module-level import
+    from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
