@@ -42,11 +42,11 @@ _OUT_IN_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2
                                                  lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def _float_weight(w: jax.Array, dtype: Any) -> jax.Array:
-    """A float expert weight [E, N, K] (or Tutel's [E, K, N]) in x's dtype."""
+def _float_weight(w: jax.Array) -> jax.Array:
+    """A float expert weight [E, N, K] (or Tutel's [E, K, N]), checked."""
     if w.ndim != 3:
         raise ValueError(f"expert weights are [E, out, in] (or Tutel's [E, in, out]), got shape {tuple(w.shape)}")
-    return w.astype(dtype)
+    return w
 
 
 def _packed(w: Any, in_out: bool) -> bool:
@@ -71,7 +71,7 @@ def batched_linear(x: jax.Array, w: Any, *, in_out: bool = False, backend: str |
             return rows.reshape(num_experts, capacity, -1)
         w = quant.dequantize(w, x.dtype)
     else:
-        w = _float_weight(w, x.dtype)
+        w = _float_weight(w).astype(x.dtype)
     return jnp.einsum("eck,ekn->ecn" if in_out else "eck,enk->ecn", x, w)
 
 
@@ -83,7 +83,7 @@ def grouped_linear(x: jax.Array, w: Any, group_sizes: jax.Array, backend: str | 
     if _packed(w, in_out):
         return pallas_kernels.quant_gmm(x, w, group_sizes.astype(jnp.int32), out_dtype=x.dtype,
                                         implementation="xla" if backend is None else backend)
-    w = _float_weight(w, x.dtype)
+    w = _float_weight(w).astype(x.dtype)
     if backend is not None:
         return pallas_kernels.gmm(x, w, group_sizes, transpose_rhs=not in_out, implementation=backend)
     if in_out:
@@ -97,7 +97,7 @@ def gathered_linear(x: jax.Array, w: Any, expert_ids: jax.Array, *, in_out: bool
     if _packed(w, in_out):
         rows = jax.tree_util.tree_map(lambda a: a[expert_ids], w)
         return jnp.einsum("rk,rnk->rn", x, quant.dequantize(rows, x.dtype))
-    w = _float_weight(w, x.dtype)[expert_ids]
+    w = _float_weight(w)[expert_ids].astype(x.dtype)  # the chosen experts only, then cast
     return jnp.einsum("rk,rkn->rn" if in_out else "rk,rnk->rn", x, w)
 
 
