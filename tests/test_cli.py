@@ -16,6 +16,18 @@ from support.paths import HF
 
 
 
+def test_commands_come_from_their_packages_without_the_server_stack():
+    """The command line takes each command from its package's API; loading them (and `tutel_jax.serving`) imports
+    no FastAPI, uvicorn or Orbax: the server's stack is imported only when it serves."""
+    code = ("import sys, tutel_jax.cli as c, tutel_jax.serving as s, tutel_jax.compile as k; "
+            "assert c.serve is s.serve_main and c.generate is s.generate_main and c.compile_main is k.main; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'orbax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_usage_and_unknown_command(capsys):
     assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err

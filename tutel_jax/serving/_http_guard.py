@@ -15,12 +15,6 @@ import json
 import logging
 from typing import Any
 
-try:  # the `serve` extra
-    from starlette.requests import ClientDisconnect
-except ImportError:  # pragma: no cover - the server cannot run without it; `serve` says so
-    class ClientDisconnect(Exception):  # type: ignore[no-redef]
-        pass
-
 from ._api_errors import APIError, error_body
 
 __all__ = ["RequestGuard", "guarded_h11_protocol"]
@@ -47,7 +41,10 @@ class RequestGuard:
     body are `APIError`s, answered by the app's APIError handler."""
 
     def __init__(self, app: Any, max_body_bytes: int, read_timeout_s: float):
+        from starlette.requests import ClientDisconnect  # the `serve` extra: imported only by a serving app
+
         self.app, self.max_body_bytes, self.read_timeout_s = app, max_body_bytes, read_timeout_s
+        self.client_disconnect = ClientDisconnect
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -71,7 +68,7 @@ class RequestGuard:
 
         try:
             await self.app(scope, reader.receive, tracked_send)
-        except ClientDisconnect:  # the client went away mid-body (a truncated request): nobody to answer
+        except self.client_disconnect:  # the client went away mid-body (a truncated request): nobody to answer
             log.info("client disconnected before its request body was complete")
         except Exception as exc:  # noqa: BLE001 - answer it here: re-raising would reset the connection
             log.exception("unhandled error")
