@@ -20,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_capacity_factor", "check_input", "is_int", "is_real", "check_int", "Field", "check_fields",
+__all__ = ["check_capacity_factor", "check_input", "is_int", "is_real", "check_int", "check_choice", "Field", "check_fields",
            "raise_problems", "json_nesting_depth", "load_json", "MAX_JSON_DEPTH"]
 
 
@@ -86,6 +86,16 @@ def check_int(value: Any, name: str, *, minimum: int | None = None, maximum: int
     if problem:
         raise ValueError(f"{name} {problem}" + (" (or None)" if optional else ""))
     return int(value)
+
+
+def check_choice(value: Any, name: str, choices: Sequence, *, optional: bool = False) -> Any:
+    """`value`, or ValueError naming `name` ("dense_impl must be one of ('auto', 'xla'), got 'fast'") unless it is
+    one of `choices` (a bool never is: `True == 1`); None passes when `optional`."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}" + (" or None" if optional else "") + f", got {value!r}")
+    return value
 
 
 def _range_text(minimum: float | None, maximum: float | None, exclusive_min: bool = False) -> str:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..models import cache_dims, decoder_layer, embed, head, LayerPrograms, program_table, AttnContext
 from ._weights import AbstractModel
+from ..validation import check_choice
 
 __all__ = ["Part", "Step", "build_steps", "MODES", "LEARNING_RATE"]
 
@@ -186,8 +187,7 @@ def _train_step(model: AbstractModel, batch: int, seq: int) -> Step:
 
 def build_steps(model: AbstractModel, batch: int, seq: int, mode: str) -> list[Step]:
     """The steps of `mode`: 'serve' -> [prefill, decode], 'train' -> [train] (see the module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_choice(mode, "mode", MODES)
     if mode == "train":
         return [_train_step(model, batch, seq)]
     return [_serve_step(model, "prefill", batch, seq), _serve_step(model, "decode", batch, seq)]

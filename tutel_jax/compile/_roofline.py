@@ -52,6 +52,7 @@ from .. import quant
 from ..models import cache_dims
 from ._hardware import Hardware
 from ._weights import AbstractModel, per_device_bytes
+from ..validation import check_choice
 
 __all__ = ["roofline", "causal_pairs", "TRAIN_FLOPS_FACTOR", "PROGRAMS"]
 
@@ -122,8 +123,7 @@ def roofline(model: AbstractModel, program: str, batch: int, seq: int, hw: Hardw
     `optimizer_bytes`: the optimizer state one device holds (training). Returns {step_seconds_floor, bound,
     flops, bytes, tokens, tokens_per_second_ceiling, compute_seconds, memory_seconds, flops_terms, bytes_terms,
     routed_experts_read_per_layer, source: 'analytic'}; the terms are those of the module docstring."""
-    if program not in PROGRAMS:
-        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+    check_choice(program, "program", PROGRAMS)
     spec, params = model.spec, model.params
     train = program == "train"
     tokens = batch if program == "decode" else batch * seq

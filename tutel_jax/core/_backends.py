@@ -30,6 +30,8 @@ from typing import Iterator
 
 import pallas_kernels
 
+from ..validation import check_choice
+
 __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "check_kernel_backend", "kernels", "platform", "use_kernels"]
 
 #: the valid values of `kernel_backend` (None and "auto" mean the same: not set)
@@ -41,8 +43,7 @@ _runtime: contextvars.ContextVar[str | None] = contextvars.ContextVar("tutel_jax
 
 def check_kernel_backend(value: object, name: str = "kernel_backend") -> str | None:
     """`value` if it is one of KERNEL_BACKENDS (None for "auto"), else ValueError naming `name`."""
-    if value not in KERNEL_BACKENDS or isinstance(value, bool):
-        raise ValueError(f"{name} must be one of {KERNEL_BACKENDS}, got {value!r}")
+    check_choice(value, name, KERNEL_BACKENDS)
     return None if value == "auto" else value
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from ._grouped_linear import Batched, Gathered, Grouped, Mode
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["Experts", "MinimalExperts", "AdaptedExperts", "as_experts", "FFNExperts", "LlamaFFNExperts",
            "EXPERT_TYPES", "register_experts", "make_experts", "ACTIVATIONS"]
@@ -292,8 +292,7 @@ def register_experts(name: str, factory: Callable[..., Experts]) -> None:
 def make_experts(spec: Mapping) -> Experts:
     """Builds the expert network from Tutel's `experts` dict (placement keys are read elsewhere)."""
     kind = spec.get("type")
-    if kind not in EXPERT_TYPES:
-        raise ValueError(f"experts['type'] must be one of {sorted(EXPERT_TYPES)}, got {kind!r}")
+    check_choice(kind, "experts['type']", sorted(EXPERT_TYPES))
     options = {k: v for k, v in spec.items() if k not in PLACEMENT_KEYS}
     if "hidden_size_per_expert" in options:
         hidden = options["hidden_size_per_expert"]

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from .. import core
 from ..native import NativeKernelError, isa_in_effect, ensure_registered, int8_by_default
 from ..routing import RoutingPlan, align_capacity
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["BUCKET_FACTORS", "DROPLESS_PATHS", "DroplessPath", "bucket_capacities", "bucket_index", "check_native", "native_available",
            "extend_for_cpu", "register_dropless_path", "resolve_impl", "run_bucketed"]
@@ -190,9 +190,7 @@ def resolve_impl(impl: str, experts: Any, num_assignments: int | None = None, nu
                 and num_assignments <= CPU_LOOP_MAX_ROWS_PER_EXPERT * num_experts):
             return "loop"
         return "bucketed" if experts.supports("grouped") else "ragged"
-    path = DROPLESS_PATHS.get(impl)
-    if path is None:
-        raise ValueError(f"dropless_impl must be one of {impl_names()}, got {impl!r}")
+    path = DROPLESS_PATHS[check_choice(impl, "dropless_impl", impl_names())]
     if path.requires is not None and not experts.supports(path.requires):
         raise ValueError(f"dropless_impl={impl!r} needs experts with a {path.requires}() method; "
                          f"{experts.type_name} has none")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from .. import quant
 from ..native import dense, worth_it, int8_by_default
+from ..validation import check_choice
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "matmul_out_in", "native_activations"]
 
@@ -19,9 +20,8 @@ DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
 
 
 def check_dense_impl(impl: str) -> str:
-    if impl not in DENSE_IMPLS:
-        raise ValueError(f"dense_impl must be one of {DENSE_IMPLS}, got {impl!r}")
-    return impl
+    """`impl` if it is one of DENSE_IMPLS, else ValueError."""
+    return check_choice(impl, "dense_impl", DENSE_IMPLS)
 
 
 def native_activations(x: jax.Array, w: Any, impl: str) -> str | None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ..experts import impl_names, resolve_impl, Experts, as_experts, make_experts, SharedExperts, make_shared_experts
 from ._execution import check_kernel_backend
 from ..routing import Gate, make_gate
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["MoEConfig", "make_config"]
 
@@ -177,8 +177,7 @@ def make_config(
     kernel_backend = check_kernel_backend(kernel_backend)
     if kernel_backend is not None and expert_net.kernel_backend is None:
         expert_net = expert_net.with_kernel_backend(kernel_backend)  # grouped matmuls too
-    if dropless_impl not in impl_names():
-        raise ValueError(f"dropless_impl must be one of {impl_names()}, got {dropless_impl!r}")
+    check_choice(dropless_impl, "dropless_impl", impl_names())
     if dropless_impl != "auto":  # fails here, not at the first call: what the path needs of the experts,
         resolve_impl(dropless_impl, expert_net)  # and for 'native' the backend and the build
     try:

@@ -16,7 +16,7 @@ from ..core import (KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, p
                     DROPLESS_EXCHANGES)
 from ..experts import impl_names, DENSE_IMPLS
 from ..native import ATTENTION_IMPLS
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Execution", "add_arguments", "from_arguments",
            "check_kernel_backend", "kernels", "platform", "use_kernels"]
@@ -25,11 +25,6 @@ __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Exec
 MODEL_KNOBS = ("kernel_backend", "dropless_impl", "dense_impl", "attention_impl", "per_layer_jit")
 #: command-line spellings of `per_layer_jit` ('auto': one program per kind of layer from 8 layers on)
 PER_LAYER_JIT = {"auto": "auto", "on": True, "off": False}
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value is not None and (isinstance(value, bool) or value not in choices):
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +59,10 @@ class Execution:
 
     def __post_init__(self):
         check_kernel_backend(self.kernel_backend)
-        _check_choice("dropless_impl", self.dropless_impl, impl_names())
-        _check_choice("dense_impl", self.dense_impl, DENSE_IMPLS)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _check_choice("dropless_exchange", self.dropless_exchange, DROPLESS_EXCHANGES)
+        check_choice(self.dropless_impl, "dropless_impl", impl_names(), optional=True)
+        check_choice(self.dense_impl, "dense_impl", DENSE_IMPLS, optional=True)
+        check_choice(self.attention_impl, "attention_impl", ATTENTION_IMPLS, optional=True)
+        check_choice(self.dropless_exchange, "dropless_exchange", DROPLESS_EXCHANGES, optional=True)
         if self.per_layer_jit is not None and self.per_layer_jit not in (True, False, "auto"):
             raise ValueError(f"per_layer_jit must be True, False or 'auto', got {self.per_layer_jit!r}")
         check_int(self.a2a_ffn_overlap_degree, "a2a_ffn_overlap_degree", minimum=1, optional=True)

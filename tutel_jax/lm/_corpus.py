@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["ByteCorpus", "BatchIterator", "SEPARATOR", "SPLITS", "local_rows", "split_of"]
 
@@ -164,8 +164,7 @@ class ByteCorpus:
     def __init__(self, root: str | os.PathLike | None = None, split: str = "train", val_fraction: float = 0.05,
                  pattern: str = "**/*.py", max_bytes: int | None = None, skip_unreadable: bool = False,
                  exclude_dirs: Sequence[str] = DEFAULT_EXCLUDE_DIRS):
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        check_choice(split, "split", SPLITS)
         if (isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real)
                 or not 0.0 < float(val_fraction) < 1.0):
             raise ValueError(f"val_fraction must be a number in the open interval (0, 1), got {val_fraction!r}")

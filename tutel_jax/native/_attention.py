@@ -20,6 +20,7 @@ from .. import core
 from ..core import varying_like
 from ._build import can_register, register
 from ._weights import FLOAT_DTYPES, check_max_workers
+from ..validation import check_choice
 
 __all__ = ["decode_attention", "attends_natively", "check_attention_impl", "ATTENTION_IMPLS", "CACHE_DTYPES"]
 
@@ -36,9 +37,8 @@ def ensure_registered() -> None:
 
 
 def check_attention_impl(impl: str) -> str:
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    return impl
+    """`impl` if it is one of ATTENTION_IMPLS, else ValueError."""
+    return check_choice(impl, "attention_impl", ATTENTION_IMPLS)
 
 
 def attends_natively(q: jax.Array, cache: jax.Array, impl: str = "auto") -> bool:

@@ -21,6 +21,7 @@ from .. import quant
 from ..core import varying_like
 from ._build import register
 from ._weights import bias_arg, check_activations, check_max_workers, empty, weight_args
+from ..validation import check_choice
 
 __all__ = ["moe_experts", "GLUS", "ensure_registered"]
 
@@ -65,8 +66,7 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, enc: jax.Array, dec: jax.Ar
       max_workers: threads to use at most (default: XLA's intra-op pool).
     Not differentiable by itself (`tutel_jax.layer._pipeline` gives it the 'loop' path's VJP).
     """
-    if glu not in GLUS:
-        raise ValueError(f"moe_experts: glu must be one of {GLUS}, got {glu!r}")
+    check_choice(glu, "moe_experts: glu", GLUS)
     workers = check_max_workers(max_workers, "moe_experts")
     int8 = check_activations(activations, "moe_experts")
     num_tokens, model_dim = x.shape

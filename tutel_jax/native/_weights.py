@@ -24,7 +24,7 @@ from pallas_kernels.quant import format_of
 from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp4
 
 from .. import quant
-from ..validation import check_int
+from ..validation import check_choice, check_int
 from ._build import int8_pays_off
 
 __all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "ACTIVATIONS",
@@ -58,8 +58,7 @@ def int8_by_default(w_or_format: Any) -> bool:
 
 def check_activations(activations: Any, what: str) -> bool:
     """The kernels' int8_activations attribute from `activations` (one of ACTIVATIONS), else ValueError."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"{what}: activations must be one of {ACTIVATIONS}, got {activations!r}")
+    check_choice(activations, f"{what}: activations", ACTIVATIONS)
     return activations == "int8"
 
 

@@ -22,6 +22,7 @@ from ..core import update_correction_bias
 from ..parallel import ExpertParallel, moe_apply_parallel, shard_params
 from ..runtime import reconfigure_layer
 from ..routing import as_gate, CORRECTION_BIAS
+from ..validation import check_choice
 
 __all__ = ["MoE", "RoutingStat", "RouterState"]
 
@@ -217,8 +218,7 @@ class MoE(nnx.Module):
     def get_parameter_iterator(self, param_type: str) -> Iterator[tuple[str, jax.Array]]:
         """Tutel's iterator: ('gate', names under gates.*) or ('local_experts', names under experts.*)."""
         groups = {"gate": "gates", "local_experts": "experts"}
-        if param_type not in groups:
-            raise ValueError(f"param_type must be one of {sorted(groups)}, got {param_type!r}")
+        check_choice(param_type, "param_type", sorted(groups))
         section = groups[param_type]
         state = params_to_state_dict({section: self.param_tree()[section]}, 0)
         for name, value in state.items():

@@ -17,6 +17,7 @@ from jax import lax
 
 from ..core import DROPLESS_EXCHANGES
 from ._ragged_dropless import emulated_ragged_all_to_all, ragged_supported
+from ..validation import check_choice
 
 __all__ = ["AUTO_ORDER", "EXCHANGES", "DroplessExchange", "resolve_exchange"]
 
@@ -44,8 +45,7 @@ AUTO_ORDER = ("ragged", "padded")
 def resolve_exchange(name: str, ragged_layout: bool) -> Callable | None:
     """The collective of exchange `name` (None: padded). `ragged_layout`: the layout allows a ragged exchange
     (flat expert axes, whole experts); otherwise every name means 'padded'."""
-    if name not in DROPLESS_EXCHANGES:
-        raise ValueError(f"dropless_exchange must be one of {DROPLESS_EXCHANGES}, got {name!r}")
+    check_choice(name, "dropless_exchange", DROPLESS_EXCHANGES)
     if not ragged_layout:
         return None
     if name == "auto":

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from ..validation import check_capacity_factor, check_int
+from ..validation import check_capacity_factor, check_choice, check_int
 
 __all__ = ["Gate", "MinimalGate", "GateAdapter", "as_gate", "TopGate", "CosineTopGate", "GATE_TYPES",
            "register_gate", "make_gate", "torch_linear_init", "TUTEL", "SELECT", "PLAN"]
@@ -296,8 +296,7 @@ def make_gate(spec: Any, index: int = 0) -> Gate:
                          f"gate_noise, init() and logits(); got {type(spec).__name__}")
     options = dict(spec)
     kind = options.pop("type", None)
-    if kind not in GATE_TYPES:
-        raise ValueError(f"gate_type[{index}]['type'] must be one of {sorted(GATE_TYPES)}, got {kind!r}")
+    check_choice(kind, f"gate_type[{index}]['type']", sorted(GATE_TYPES))
     factory = GATE_TYPES[kind]
     if dataclasses.is_dataclass(factory):
         known = {f.name for f in dataclasses.fields(factory)}

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from pallas_kernels.gating import group_limited, normalize_weights
 
-from ..validation import check_int
+from ..validation import check_choice, check_int
 from ._gates import GATE_TYPES, Gate, torch_linear_init
 from ._plan import RoutingPlan, align_capacity
 
@@ -282,8 +282,7 @@ class _LinearRouter(Gate):
     z_loss_weight: float = 0.0
 
     def __post_init__(self):
-        if self.aux_loss not in AUX_LOSSES:
-            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
+        check_choice(self.aux_loss, "aux_loss", AUX_LOSSES)
         if not 0 <= self.jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter!r}")
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..layer import MoEAux
 from ._reconfigure import RuntimeConfig
-from ..validation import check_int
+from ..validation import check_choice, check_int
 
 __all__ = ["LOAD_RATIO_KEY", "EVENTS", "load_ratio", "metrics_load_ratio", "short_name", "Candidate", "Sample",
            "Measurement", "LogEntry", "DecisionLog", "Decision", "Autotuner"]
@@ -202,8 +202,7 @@ class DecisionLog:
         self.entries: list[LogEntry] = []
 
     def add(self, entry: LogEntry) -> LogEntry:
-        if entry.event not in EVENTS:
-            raise ValueError(f"log event must be one of {EVENTS}, got {entry.event!r}")
+        check_choice(entry.event, "log event", EVENTS)
         self.entries.append(entry)
         return entry
 

@@ -46,7 +46,7 @@ from ..layer import MoEConfig, valid_adaptive_degrees
 from ..experts import impl_names, resolve_impl
 from ..native import NativeKernelError
 from ..parallel import ExpertParallel, param_shardings
-from ..validation import check_capacity_factor, check_int
+from ..validation import check_capacity_factor, check_choice, check_int
 
 __all__ = ["RuntimeConfig", "Layout", "plan_layout", "is_moe_layer", "params_shardings", "opt_state_shardings",
            "batch_shardings", "reshard", "with_gate_defaults", "reconfigure_layer"]
@@ -116,8 +116,7 @@ class RuntimeConfig:
             raise ValueError(f"use_2dh must be a bool, got {self.use_2dh!r}")
         if self.use_2dh and len(expert_axes) != 2:
             raise ValueError(f"use_2dh needs two expert axes (node, local), got {expert_axes}")
-        if self.dropless_impl is not None and self.dropless_impl not in impl_names():
-            raise ValueError(f"dropless_impl must be one of {impl_names()} or None, got {self.dropless_impl!r}")
+        check_choice(self.dropless_impl, "dropless_impl", impl_names(), optional=True)
         object.__setattr__(self, "mesh_shape", shape)
         object.__setattr__(self, "expert_axes", expert_axes)
         object.__setattr__(self, "top_k", None if self.top_k is None else int(self.top_k))
