@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import quant
-from ..native import dense, worth_it, int8_by_default
+from ..native import CompactBf16, dense, worth_it, int8_by_default
 from ..validation import check_choice
 
-__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "matmul_out_in", "native_activations"]
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "matmul_out_in", "native_activations", "xla_weight"]
 
 DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
 
@@ -47,8 +47,15 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     activations = native_activations(x, w, impl)
     if activations is not None:
         return dense(x, w, b, activations=activations).astype(x.dtype)
+    w = xla_weight(w)
     y = quant.dense(x, w) if quant.is_quantized(w) else matmul_out_in(x, w)
     return y if b is None else y + b
+
+
+def xla_weight(w: Any) -> Any:
+    """The weight as XLA's matmuls take it: a compact bfloat16 weight (`native.CompactBf16`, the native kernel's
+    12-bit layout) as the bfloat16 array it holds, exactly; float arrays and quantized containers as they are."""
+    return w.dequantize() if isinstance(w, CompactBf16) else w
 
 
 def matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:

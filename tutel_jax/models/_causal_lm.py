@@ -22,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint import open_checkpoint
-from ..native import check_attention_impl
+from ..native import check_attention_impl, compact_pays_off
 from ._attention import cache_dims
 from ._decoder import context_from_mask, forward
 from ._dequant import DequantizedTensors, QuantizedTensors, check_quantization_config, is_quantized
 from ._hf_tables import load_params
 from ._layer_programs import LayerPrograms
 from ._layers import AttnContext, check_dense_impl
+from ._param_layout import compact_bf16_weights
 from ._placement import MeshPlacement
 from ._quant_layout import auto_compute_dtype, check_checkpoint_header
 from ._spec import DecoderSpec, read_config, spec_from_config
@@ -97,7 +98,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
                     progress: bool | None = None, mesh: Any = None, expert_axis: str = "expert",
                     kernel_backend: str | None = None, dropless_impl: str = "auto", dense_impl: str = "auto",
                     attention_impl: str = "auto", per_layer_jit: bool | str = "auto",
-                    check_finite: bool = True) -> CausalLM:
+                    check_finite: bool = True, compact_bf16: bool | str = "auto") -> CausalLM:
     """CausalLM from an HF checkpoint directory (config.json + model.safetensors or a sharded index).
 
     `dtype` of the float weights and activations (packed expert weights stay packed); 'auto': the checkpoint's
@@ -133,6 +134,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     corrupt file (flipped bits) fails at load instead of giving NaN logits: `NonFiniteTensorError` (a
     ValueError) naming the file, the tensor and the count. It costs a pass over each tensor while it is read
     (in cache); `check_finite=False` skips it.
+    `compact_bf16`: hold a bfloat16 model's attention projections, dense MLPs and lm_head as
+    `native.CompactBf16` (the same values in 12 bits per element, decoded in registers by the native dense kernel:
+    3/4 of the bytes a decode step reads; `param_layout.compact_bf16_weights`); True, False or 'auto' (the
+    default: where the native dense kernel runs them, i.e. a bfloat16 model on CPU, no mesh, dense_impl 'auto' or
+    'native', and a build with bfloat16 dot products, `native.compact_pays_off`).
     `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
     per-layer progress bar (None: when stderr is a terminal). Errors (ValueError naming the file or tensor;
     nothing partial is returned): unknown model_type, missing config.json / shard / tensor, bad safetensors
@@ -158,6 +164,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
         raise ValueError(f"per_layer_jit must be True, False or 'auto', got {per_layer_jit!r}")
     if per_layer_jit == "auto":
         per_layer_jit = spec.num_layers >= PER_LAYER_MIN_LAYERS
+    if compact_bf16 not in (True, False, "auto"):
+        raise ValueError(f"compact_bf16 must be True, False or 'auto', got {compact_bf16!r}")
+    if compact_bf16 == "auto":
+        compact_bf16 = (jnp.dtype(dtype) == jnp.bfloat16 and mesh is None and spec.dense_impl in ("auto", "native")
+                        and compact_pays_off())
     ckpt = open_checkpoint(path, check_finite=check_finite) if tensors is None else tensors
     try:
         if tensors is None:  # tensor count, bytes, names, dtypes and shapes from the headers: nothing read yet
@@ -173,5 +184,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     finally:
         if tensors is None:
             ckpt.close()
+    if compact_bf16:
+        params = compact_bf16_weights(params)
     return CausalLM(spec=spec, params=params, moe_configs=moe_configs, config=config, dtype=dtype,
                     expert_mesh=None if mesh is None else (mesh, expert_axis), per_layer_jit=per_layer_jit)

@@ -19,6 +19,8 @@ import numpy as np
 import safetensors.numpy
 
 from .. import quant
+from ..experts import xla_weight
+from ..native import CompactBf16
 from ._hf_tables import attention_table, mlp_prefix
 from ._moe_block import hf_moe_block_tensors
 from ._param_layout import to_disk
@@ -28,7 +30,9 @@ __all__ = ["hf_tensors", "save_pretrained"]
 
 def hf_tensors(model: Any) -> dict[str, np.ndarray]:
     """{on-disk name: NumPy array} of a float CausalLM (the model's dtype)."""
-    params, spec = model.params, model.spec
+    # compact bfloat16 weights (the CPU decode layout) as the bfloat16 arrays they hold
+    params = jax.tree_util.tree_map(xla_weight, model.params, is_leaf=lambda a: isinstance(a, CompactBf16))
+    spec = model.spec
     if any(quant.is_quantized(w) for w in jax.tree_util.tree_leaves(params,
                                                                             is_leaf=quant.is_quantized)):
         raise ValueError("export writes float checkpoints only; this model holds quantized weights "

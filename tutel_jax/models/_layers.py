@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import quant
-from ..experts import DENSE_IMPLS, check_dense_impl, linear, matmul_out_in, native_activations
+from ..experts import DENSE_IMPLS, check_dense_impl, linear, matmul_out_in, native_activations, xla_weight
 from ..native import dense
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
@@ -39,6 +39,7 @@ def unembed(x: jax.Array, table: jax.Array, impl: str = "auto") -> jax.Array:
     activations = native_activations(x, table, impl)
     if activations is not None:
         return dense(x, table, activations=activations).astype(x.dtype)
+    table = xla_weight(table)
     if quant.is_quantized(table):
         return quant.dense(x, table)
     return matmul_out_in(x, table.astype(x.dtype))

@@ -6,7 +6,8 @@ step streams fastest (each output one contiguous row). The GQA attention's float
 `qkv_proj` [(Hq + 2 Hkv) D, M] (with `qkv_bias` when the family has q/k/v biases): one call per layer instead of
 three. Quantized containers are never fused.
 
-`to_memory` / `to_disk` convert one layer's attention dict.
+`to_memory` / `to_disk` convert one layer's attention dict; `compact_bf16_weights` puts a bfloat16 model's dense
+weights in the CPU decode layout (`native.CompactBf16`: the same values in 12 bits).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from .. import quant
+from ..native import compact_bf16
 from ._spec import DecoderSpec
 
-__all__ = ["qkv_sizes", "to_memory", "to_disk"]
+__all__ = ["compact_bf16_weights", "qkv_sizes", "to_memory", "to_disk"]
 
 _QKV = ("q", "k", "v")
 
@@ -55,3 +57,26 @@ def to_disk(attn: Mapping[str, Any], spec: DecoderSpec) -> dict[str, np.ndarray]
         if "qkv_bias" in attn:
             attn.update({f"{n}_bias": b for n, b in zip(_QKV, np.split(attn.pop("qkv_bias"), splits))})
     return {k: np.ascontiguousarray(v) for k, v in attn.items()}
+
+
+def compact_bf16_weights(params: dict) -> dict:
+    """A bfloat16 model's dense linear weights in the CPU decode layout, in place: the attention projections, the
+    dense MLPs and an untied lm_head as `native.CompactBf16` (the same values in 12 bits per element, 3/4 of the
+    bytes a decode step reads; weights it does not apply to stay as they are). Each weight's patch lists are
+    padded to the longest over the layers, so that layers of one kind keep one shape (`layer_programs`: one
+    program for them all). Each bfloat16 array is dropped as soon as its compact form exists. Returns params."""
+    sites: dict[tuple[str, str], list[tuple[dict, str]]] = {}
+    for lp in params["layers"]:
+        for part in ("attn", "mlp"):
+            for name, w in lp.get(part, {}).items():
+                compact = compact_bf16(w) if name.endswith("_proj") else None
+                if compact is not None:
+                    lp[part][name] = compact
+                    sites.setdefault((part, name), []).append((lp[part], name))
+    for places in sites.values():
+        count = max(d[name].patches.shape[0] for d, name in places)
+        for d, name in places:
+            d[name] = d[name].with_patch_capacity(count)
+    if "lm_head" in params:
+        params["lm_head"] = compact_bf16(params["lm_head"]) or params["lm_head"]
+    return params

@@ -3,7 +3,7 @@
     dense(x [..., K], w [N, K], b=None) -> float32 [..., N]
 
 `w` is [N, K] ([out, in], as checkpoints store linear weights): float32 / bfloat16 rows (the models' linear
-weights, lm_head and tied embedding) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4) of
+weights, lm_head and tied embedding), the same bfloat16 values in 12 bits (`CompactBf16`) or a packed container (`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4) of
 that logical shape. A decode step's attention
 projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
 packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
@@ -21,10 +21,10 @@ import numpy as np
 
 from .. import core, quant
 from ..core import varying_like
-from ._build import can_register, register
+from ._build import bf16_dot, can_register, register
 from ._weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
 
-__all__ = ["dense", "available", "worth_it", "MAX_ROWS"]
+__all__ = ["dense", "available", "worth_it", "compact_pays_off", "MAX_ROWS"]
 
 TARGET = "tutel_jax_dense"
 _LIBRARY = ("dense_cpu", "TutelJaxDense", TARGET)  # the source, its handler symbol, the FFI target
@@ -42,11 +42,17 @@ def available() -> bool:
     return core.platform() == "cpu" and can_register(*_LIBRARY)
 
 
+def compact_pays_off() -> bool:
+    """Whether 'auto' loads bfloat16 models compact (`CompactBf16`) here: the kernel is available and its build
+    has the AVX-512 BF16 dot products that decode the codes at the memory's speed (`build.bf16_dot`)."""
+    return available() and bf16_dot()
+
+
 def worth_it(x: jax.Array, w: Any) -> bool:
     """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads."""
     if math.prod(x.shape[:-1]) > MAX_ROWS or unsupported(w) is not None:
         return False
-    if not quant.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):
+    if not quant.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):  # compact: bfloat16 too
         return False  # float32 matvecs XLA streams well
     return available()
 

@@ -7,6 +7,7 @@
                                                             float32 scale_inv), MXFP4 (codes uint8 [E, N, K/2],
                                                             E8M0 scales), NVFP4 / NVFP4_MUL (codes, e4m3 scales,
                                                             global [E]; MUL: ModelOpt's multiplying global)
+  a compact bfloat16 weight (`CompactBf16`)            -> COMPACT_BF16: groups, index, patches
 
 Every view is a reshape (no copy of the weight; e4m3 codes and scales go as they are, the kernels read their
 bytes). `unsupported(w)` says why a weight cannot go to
@@ -26,8 +27,9 @@ from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, mxfp4, nvfp
 from .. import quant
 from ..validation import check_choice, check_int
 from ._build import int8_pays_off
+from ._compact_bf16 import NATIVE_ID as COMPACT_BF16, CompactBf16
 
-__all__ = ["FLOAT32", "BFLOAT16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "ACTIVATIONS",
+__all__ = ["FLOAT32", "BFLOAT16", "COMPACT_BF16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "ACTIVATIONS",
            "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
            "int8_capable", "int8_by_default", "bias_arg"]
 
@@ -81,7 +83,7 @@ def empty() -> jax.Array:
 
 def unsupported(w: Any) -> str | None:
     """Why the kernels cannot read `w` (None: they can)."""
-    if quant.is_quantized(w):
+    if quant.is_quantized(w) or isinstance(w, CompactBf16):
         return None
     if jnp.dtype(w.dtype) not in FLOAT_DTYPES:
         return f"{jnp.dtype(w.dtype)} weights (float32, bfloat16 or packed only)"
@@ -93,6 +95,8 @@ def weight_args(w: Any) -> tuple[int, jax.Array, jax.Array, jax.Array]:
     reason = unsupported(w)
     if reason is not None:
         raise ValueError(f"the native kernels cannot read {reason}")
+    if isinstance(w, CompactBf16):
+        return w.native_args()
     if not quant.is_quantized(w):
         return (FLOAT32 if w.dtype == jnp.float32 else BFLOAT16), w, empty(), empty()
     return format_of(w).native_args(w)

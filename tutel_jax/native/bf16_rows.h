@@ -105,6 +105,70 @@ inline void bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t 
 #endif
 }
 
+#if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
+// Group c of a compact bfloat16 row (packed_rows.h) as 32 bfloat16 codes: the sign and mantissa bytes widened to
+// words (sign << 15 | mantissa), or-ed with each code's exponent bits (a 32-word table lookup).
+TJ_INLINE __m512i compact_group_bf16(const uint8_t* g, __m512i exponents) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32));
+  const __m128i nib = _mm_set1_epi8(15);
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(codes, nib)),
+                                               _mm_and_si128(_mm_srli_epi16(codes, 4), nib), 1);
+  const __m512i e = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), exponents);
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 15), _mm512_srli_epi16(b, 1), e, 0xFE);  // a | b | c
+}
+
+// sums[r] = dot(row [K], xb[r * len ..]) for a compact bfloat16 row (its patches aside) and R rows.
+template <int R>
+inline void compact_row_dots(const uint8_t* row, int64_t K, __m512i exponents, const uint16_t* xb, int64_t len,
+                             float* sums) {
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  const int64_t groups = K / kBf16Chunk;
+  auto step = [&](int h, int64_t c) TJ_INLINE_LAMBDA {
+    const __m512i wv = compact_group_bf16(row + c * kCompactGroup, exponents);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xb + r * len + c * kBf16Chunk);
+      acc[h][r] = _mm512_dpbf16_ps(acc[h][r], (__m512bh)xv, (__m512bh)wv);
+    }
+  };
+  int64_t c = 0;
+  for (; c + 2 <= groups; c += 2) {
+    prefetch_stream(row + c * kCompactGroup);
+    prefetch_stream(row + c * kCompactGroup + 64);
+    step(0, c);
+    step(1, c + 1);
+  }
+  if (c < groups) step(0, c);
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+}
+#endif
+
+// out[r, n - n0] = sum_k x[r, k] * w[n, k] for a compact bfloat16 weight (K a multiple of 32) and R <= kMaxRows
+// rows given as `to_bf16_rows` codes: each group decoded to bfloat16 codes in registers, the patches added in
+// float32 after the row's dot products. Only where kBf16Dot.
+inline void compact_bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t n0, int64_t n1, float* out,
+                              int64_t ldo) {
+#if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
+  uint16_t table[32] = {};
+  for (int c = 0; c < 16; ++c) table[c] = uint16_t(w.exponents()[c] >> 16);
+  const __m512i exponents = _mm512_loadu_si512(table);
+  const int64_t len = bf16_row_len(w.K), row_bytes = w.K / kBf16Chunk * kCompactGroup;
+  with_row_count(R, [&](auto count) {
+    constexpr int kR = decltype(count)::value;
+    for (int64_t n = n0; n < n1; ++n) {
+      float sums[kR];
+      compact_row_dots<kR>(w.data + n * row_bytes, w.K, exponents, xb, len, sums);
+      add_patches<kR>(w, n, [&](int r, int64_t k) { return bf16_to_float(xb[r * len + k]); }, sums);
+      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r];
+    }
+  });
+#else
+  (void)w, (void)xb, (void)R, (void)n0, (void)n1, (void)out, (void)ldo;
+#endif
+}
+
 }  // namespace tj
 
 // Whether this library multiplies bfloat16 rows in AVX-512 BF16 dot products: `build.bf16_dot()`.

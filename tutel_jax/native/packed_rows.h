@@ -6,6 +6,11 @@
 //   MXFP4      E2M1 nibbles [N, K/2] (low nibble = even element), E8M0 scales [N, K/32]  w = LUT[c] * 2^(s-127)
 //   NVFP4      E2M1 nibbles [N, K/2], e4m3 scales [N, K/16], float32 global g          w = LUT[c] * (f32(s) / g)
 //              (ModelOpt's multiplying global scale: w = LUT[c] * (f32(s) * g))
+//   compact bf16 bfloat16 values in 12 bits, losslessly (tutel_jax/native/_compact_bf16.py): per group of 32
+//              elements 48 bytes, 32 of (mantissa << 1 | sign) then 16 of 4-bit exponent codes (byte j: element
+//              j in the low nibble, element j + 16 in the high one); index [16 + N + 1] int32: the float32
+//              exponent bits of each code (code 0: zero), then each row's first patch; patches [P, 3] int32
+//              (row, column, float32 bits): the elements no code holds, zero in the groups
 // `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows (up
 // to `kMaxRows`, the ISA's register budget) each weight row is read once, decoded in registers (the dequantized
 // weight never exists in memory) and multiplied by all rows at once; more rows decode a few weight rows into a
@@ -32,7 +37,8 @@ namespace tj {
 // The weight formats, as the Python side numbers them (tutel_jax/native/_weights.py). Every weight is [N, K]
 // rows ([out, in], as checkpoints store linear weights): float32 / bfloat16, or packed; kNvfp4Mul is NVFP4 whose
 // global scale multiplies (ModelOpt's weight_scale_2).
-enum Format : int { kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5 };
+enum Format : int { kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5,
+                    kCompactBf16 = 6 };
 
 inline bool is_nv(int fmt) { return fmt == kNvfp4 || fmt == kNvfp4Mul; }
 inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
@@ -43,6 +49,7 @@ inline int64_t fp4_block(int fmt) { return fmt == kMxfp4 ? 32 : 16; }
 
 constexpr int kChunk = 32;      // elements per decoded chunk (kChunkVectors registers)
 constexpr int kFp8Tile = 128;   // FP8 scale block (both axes)
+constexpr int kCompactGroup = 48;  // bytes per 32 elements of a compact bfloat16 row
 
 
 // e4m3fn -> float32 with no subnormal float32 on the way (a denormals-are-zero thread would read one as 0).
@@ -64,10 +71,27 @@ struct PackedWeight {
   int64_t N = 0, K = 0;
   const uint8_t* data = nullptr;   // codes: [N, K] (FP8) or [N, K/2] (FP4)
   const uint8_t* scale = nullptr;  // [N, K/32] E8M0, [N, K/16] e4m3, or float32 [ceil(N/128), ceil(K/128)]
+                                   // (compact bf16: its index)
   float global = 1.0f;             // NVFP4's global scale
+  const int32_t* patches = nullptr;  // compact bf16: [P, 3]
 
   int64_t scales_per_row() const { return K / fp4_block(fmt); }
+
+  // compact bf16: the exponent bits of the 16 codes, and row n's patches [first, last)
+  const uint32_t* exponents() const { return reinterpret_cast<const uint32_t*>(scale); }
+  const int32_t* patch_index() const { return reinterpret_cast<const int32_t*>(scale) + 16; }
 };
+
+// sums[r] += w[n, k] * x[r * ldx + k] for the patches (n, k) of a compact bfloat16 row: the elements its codes
+// do not hold (`x_at(r, k)`: the activation).
+template <int R, typename XAt>
+TJ_INLINE void add_patches(const PackedWeight& w, int64_t n, XAt&& x_at, float* sums) {
+  const int32_t* index = w.patch_index();
+  for (int32_t p = index[n]; p < index[n + 1]; ++p) {
+    const float v = bits_to_float(uint32_t(w.patches[3 * p + 2]));
+    for (int r = 0; r < R; ++r) sums[r] += v * x_at(r, w.patches[3 * p + 1]);
+  }
+}
 
 // The float scale of each scale code: E8M0 2^(s-127), or NVFP4's f32(e4m3 s) / global (the reference's order:
 // divide first, then multiply the value).
@@ -150,6 +174,23 @@ struct Fp8Chunks {
     prefetch_stream(codes + c * kChunk);
     const Native s = splat(scales[(c * kChunk) / kFp8Tile] * 0x1p8f);  // codes decode times 2^-8
     for (int v = 0; v < kChunkVectors; ++v) w[v] = e4m3_bytes_2m8(codes + c * kChunk + v * kNativeLanes) * s;
+  }
+};
+
+// Chunk c of a compact bfloat16 row (its patches aside: zero here).
+struct CompactChunks {
+  const uint8_t* groups;     // the row's
+  const uint32_t* exponents;
+  TJ_INLINE void get(int64_t c, Native* w) const {
+    const uint8_t* g = groups + kCompactGroup * c;
+    prefetch_stream(g);
+    for (int v = 0; v < kChunkVectors; ++v) {
+      const int e0 = v * kNativeLanes;
+      const UNative b = load_bytes(g + e0);
+      UNative code = load_bytes(g + 32 + (e0 & 15));
+      if (e0 >= 16) code = code >> 4;
+      w[v] = (Native)(((b & 1u) << 31) | ((b >> 1) << 16) | lookup16(code, exponents));
+    }
   }
 };
 
@@ -242,6 +283,8 @@ TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
   if (w.fmt == kFp8Block) {
     const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
     fn(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
+  } else if (w.fmt == kCompactBf16) {
+    fn(CompactChunks{w.data + n * (K / kChunk) * kCompactGroup, w.exponents()});
   } else if (w.fmt == kFloat32) {
     fn(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr});
   } else {
@@ -311,6 +354,7 @@ inline void packed_row_dots(const PackedWeight& w, const float* table, int64_t n
     with_row_chunks(w, n, [&](const auto& chunks) { add_chunk_dots<R>(chunks, full, x, ldx, acc); });
   }
   for (int r = 0; r < R; ++r) sums[r] = reduce_add(acc[r]);
+  if (w.fmt == kCompactBf16) add_patches<R>(w, n, [&](int r, int64_t k) { return x[r * ldx + k]; }, sums);
   for (int64_t k = full * kChunk; k < K; ++k) {
     const float v = decode_one(w, table, n, k);
     for (int r = 0; r < R; ++r) sums[r] += v * x[r * ldx + k];
@@ -345,6 +389,9 @@ inline void decode_row(const PackedWeight& w, const float* table, int64_t n, flo
     with_row_chunks(w, n, [&](const auto& chunks) { store_chunks(chunks, K / kChunk); });
   }
   for (int64_t k = done; k < K; ++k) dst[k] = decode_one(w, table, n, k);
+  if (w.fmt == kCompactBf16)
+    for (int32_t p = w.patch_index()[n]; p < w.patch_index()[n + 1]; ++p)
+      dst[w.patches[3 * p + 1]] = bits_to_float(uint32_t(w.patches[3 * p + 2]));
 }
 
 // out[i, j] = dot(x[i], wd[j]) for RX x rows and RW decoded weight rows, accumulated in registers.

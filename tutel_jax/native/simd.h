@@ -225,6 +225,28 @@ TJ_INLINE Native e2m1(UNative v) {
 #endif
 }
 
+// table[v & 15] of each lane: a 16-entry lookup of 32-bit values (the bits above the low 4 are ignored).
+TJ_INLINE UNative lookup16(UNative v, const uint32_t table[16]) {
+#if defined(TJ_ISA_AVX512)
+  return (UNative)_mm512_permutexvar_epi32((__m512i)v, _mm512_loadu_si512(table));
+#elif defined(TJ_ISA_AVX2)
+  // two 8-entry permutes (they read the low 3 bits), bit 3 (moved to the sign) picks one
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(table)), (__m256i)v);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(table + 8)),
+                                             (__m256i)v);
+  return (UNative)_mm256_castps_si256(_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)v, 28))));
+#elif defined(TJ_ISA_NEON)
+  // a 64-byte table lookup: bytes 4c .. 4c+3 of the table are entry c
+  const uint8x16x4_t t = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(table));
+  const uint32x4_t idx = vmlaq_n_u32(vdupq_n_u32(0x03020100u), vandq_u32(v, vdupq_n_u32(15)), 0x04040404u);
+  return vreinterpretq_u32_u8(vqtbl4q_u8(t, vreinterpretq_u8_u32(idx)));
+#else
+  UNative out;
+  for (int l = 0; l < kNativeLanes; ++l) out[l] = table[v[l] & 15u];
+  return out;
+#endif
+}
+
 // e4m3fn codes (one per lane, the low 8 bits) -> float32, with no subnormal float32 on the way (a
 // denormals-are-zero thread would read one as 0); the NaN code 0x7F decodes as 480 (callers that meet NaN codes
 // check for them).

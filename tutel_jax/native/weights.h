@@ -7,6 +7,8 @@
 //   MXFP4                data uint8 [E, N, K/2], scale uint8 [E, N, K/32]
 //   NVFP4                data uint8 [E, N, K/2], scale e4m3 (or uint8) [E, N, K/16], global float32 [E]
 //                        (format 5: the global scale multiplies, ModelOpt's weight_scale_2)
+//   compact bfloat16     data uint8 [E, N, K/32 * 48], index int32 [E, 16 + N + 1], patches int32 [E, P, 3]
+//                        (format 6, in the scale and global places; packed_rows.h)
 // A dense layer is the case E = 1.
 
 #pragma once
@@ -35,7 +37,8 @@ struct Weight {
   const uint8_t* data = nullptr;
   const uint8_t* scale = nullptr;
   const float* global = nullptr;
-  int64_t data_stride = 0, scale_stride = 0;  // bytes per expert
+  const int32_t* patches = nullptr;  // compact bfloat16
+  int64_t data_stride = 0, scale_stride = 0, patch_stride = 0;  // bytes (patches: int32s) per expert
 
   // Output rows per work item.
   static constexpr int64_t kItemRows = 64;
@@ -48,6 +51,7 @@ struct Weight {
     p.data = data + e * data_stride;
     p.scale = scale + e * scale_stride;
     p.global = is_nv(fmt) ? global[e] : 1.0f;
+    p.patches = patches == nullptr ? nullptr : patches + e * patch_stride;
     return p;
   }
 
@@ -56,10 +60,13 @@ struct Weight {
   // other formats multiply float32 activations.
   bool takes_q8() const { return is_fp4(fmt); }
 
-  // Whether R rows x (stride ldx) take the bfloat16 dot products (bf16_rows.h): a bfloat16-rows weight, 2 to
-  // kMaxRows rows (one row is bound by memory either way), all exactly bfloat16, and the build has them.
+  // Whether R rows x (stride ldx) take the bfloat16 dot products (bf16_rows.h): a bfloat16-rows weight and 2 to
+  // kMaxRows rows (one row is bound by memory either way), or a compact bfloat16 weight and up to kMaxRows rows
+  // (its codes decode to bfloat16 in fewer instructions than to float32), all exactly bfloat16, and the build has
+  // them.
   bool takes_bf16(const float* x, int R, int64_t ldx) const {
-    return kBf16Dot && fmt == kBFloat16 && R >= 2 && R <= kMaxRows && exactly_bf16(x, R, ldx, K);
+    const bool rows_ok = fmt == kCompactBf16 || (fmt == kBFloat16 && R >= 2);
+    return kBf16Dot && rows_ok && R <= kMaxRows && exactly_bf16(x, R, ldx, K);
   }
 
   // out[r, n - n0] = sum_k x[r, k] * W_e[n, k] for r < R, n in [n0, n1); x `arrange`d for this format, and xq
@@ -69,6 +76,7 @@ struct Weight {
             const uint8_t* xq = nullptr, int64_t ldq = 0, const uint16_t* xb = nullptr) const {
     if (xq != nullptr && takes_q8()) return fp4_q8_rows(packed(e), xq, R, ldq, n0, n1, out, ldo);
     if (xb != nullptr && fmt == kBFloat16) return bf16_rows(packed(e), xb, R, n0, n1, out, ldo);
+    if (xb != nullptr && fmt == kCompactBf16) return compact_bf16_rows(packed(e), xb, R, n0, n1, out, ldo);
     packed_rows(packed(e), x, R, ldx, n0, n1, out, ldo);
   }
 };
@@ -104,6 +112,38 @@ struct Bias {
   }
 };
 
+// A compact bfloat16 weight's three arrays (see the top of this file); "" when consistent.
+inline std::string parse_compact(const std::string& name, ffi::AnyBuffer data, ffi::AnyBuffer index,
+                                 ffi::AnyBuffer patches, Weight* w) {
+  auto d = data.dimensions(), x = index.dimensions(), p = patches.dimensions();
+  if (data.element_type() != ffi::DataType::U8 || d[2] % kCompactGroup != 0)
+    return name + ": compact bfloat16 data must be uint8 [E, N, K/32 * 48]";
+  w->N = d[1];
+  w->K = d[2] / kCompactGroup * kChunk;
+  w->data_stride = d[1] * d[2];
+  if (index.element_type() != ffi::DataType::S32 || x.size() != 2 || x[0] != w->E || x[1] != 17 + w->N)
+    return name + ": compact bfloat16 index must be int32 [E, 16 + N + 1]";
+  if (patches.element_type() != ffi::DataType::S32 || p.size() != 3 || p[0] != w->E || p[2] != 3)
+    return name + ": compact bfloat16 patches must be int32 [E, P, 3]";
+  w->scale = static_cast<const uint8_t*>(index.untyped_data());
+  w->scale_stride = x[1] * 4;
+  w->patches = static_cast<const int32_t*>(patches.untyped_data());
+  w->patch_stride = p[1] * 3;
+  // every row's patches lie inside the list and inside the row (a bad index must not read out of bounds)
+  for (int64_t e = 0; e < w->E; ++e) {
+    const int32_t* off = reinterpret_cast<const int32_t*>(w->scale + e * w->scale_stride) + 16;
+    const int32_t* pe = w->patches + e * w->patch_stride;
+    if (off[0] != 0 || off[w->N] > p[1]) return name + ": compact bfloat16 patch index out of range";
+    for (int64_t n = 0; n < w->N; ++n) {
+      if (off[n + 1] < off[n]) return name + ": compact bfloat16 patch index not ascending";
+      for (int32_t q = off[n]; q < off[n + 1]; ++q)
+        if (pe[3 * q] != n || pe[3 * q + 1] < 0 || pe[3 * q + 1] >= w->K)
+          return name + ": compact bfloat16 patch outside its row";
+    }
+  }
+  return "";
+}
+
 // Reads one weight; an empty string when it is consistent, else what is wrong (`what` names it).
 inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer data, ffi::AnyBuffer scale,
                                 ffi::AnyBuffer global, Weight* w) {
@@ -122,6 +162,7 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
     w->data_stride = d[1] * d[2] * (f32 ? 4 : 2);
     return "";
   }
+  if (fmt == kCompactBf16) return parse_compact(name, data, scale, global, w);
   if (!is_packed(int(fmt))) return name + ": unknown weight format " + std::to_string(fmt);
   const auto byte_codes = [](ffi::DataType t) { return t == ffi::DataType::U8 || t == ffi::DataType::F8E4M3FN; };
   if (!byte_codes(data.element_type())) return name + ": packed codes must be uint8 (or float8_e4m3fn for FP8)";
