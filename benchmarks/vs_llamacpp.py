@@ -17,7 +17,8 @@ outside the repository):
               GPT-2's. Neither benchmark tokenizes text, so the vocabulary changes no number.
   rounds      interleaved, --rounds of them: llama.cpp (llama-bench: `-p 512` prefill and `-n 64` decode at
               batch 1; llama-batched-bench: 8 parallel sequences for decode at batch 8), then tutel-jax (one
-              child process: `from_pretrained(dtype=bfloat16)`, a 512-token prefill, 64 greedy decode steps at
+              child process: `from_pretrained(dtype=bfloat16)` (its defaults: on this CPU compact bfloat16 dense
+              weights where the build has bfloat16 dot products), a 512-token prefill, 64 greedy decode steps at
               batch 1 and 16 at batch 8, after compiling runs). Both run pinned to the same --threads CPUs
               (llama.cpp with `-t` threads, XLA's pool on those CPUs), with the same environment. Each child's
               peak RSS comes from wait4.
@@ -234,7 +235,7 @@ def child(model_dir: Path, quick: bool) -> dict:
     from tutel_jax import native
     from tutel_jax.experts import resolve_impl
     from tutel_jax.models import from_pretrained
-    from tutel_jax.native import read_bandwidth
+    from tutel_jax.native import CompactBf16, read_bandwidth
 
     prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
                                                                                          DECODE_B8)
@@ -255,7 +256,8 @@ def child(model_dir: Path, quick: bool) -> dict:
             "decode_b8_tok_s": BATCH / statistics.median(times_b8), "load_seconds": load_s,
             "bytes_per_step_b1": bytes_b1, "read_bandwidth_bytes_per_s": bandwidth,
             "roofline_b1": bytes_b1 / statistics.median(times_b1) / bandwidth, "prompt_len": prompt, "isa": native.isa(),
-            "expert_path": resolve_impl("auto", model.moe_configs[0].experts)}
+            "expert_path": resolve_impl("auto", model.moe_configs[0].experts),
+            "dense_weights": "compact_bf16" if isinstance(model.params.get("lm_head"), CompactBf16) else "bfloat16"}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -329,7 +331,7 @@ def markdown(result: dict) -> str:
             f"{result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({result['read_bandwidth_method']}); tutel-jax "
             f"reads {tj['bytes_per_step_b1'] / 1e9:.2f} GB per decode step at batch 1: roofline_b1 "
             f"{tj['roofline_b1']:.2f}. tutel-jax's native kernels: {tj.get('isa', 'not recorded')}, experts "
-            f"{tj.get('expert_path', 'native')}.")
+            f"{tj.get('expert_path', 'native')}, dense weights {tj.get('dense_weights', 'bfloat16')}.")
     text = f"{head}\n\n{table}\n"
     serving = result.get("serving")
     if serving:
@@ -403,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     tj["bytes_per_step_b1"] = rounds_tj[0]["bytes_per_step_b1"]
     tj["isa"] = rounds_tj[0]["isa"]  # the native kernels' instruction set
     tj["expert_path"] = rounds_tj[0]["expert_path"]  # the default dropless path (native_int8: int8 activations)
+    tj["dense_weights"] = rounds_tj[0]["dense_weights"]  # the default layout of the dense weights (compact_bf16)
     tj["roofline_b1"] = statistics.median(r["roofline_b1"] for r in rounds_tj)
     bandwidth = statistics.median(r["read_bandwidth_bytes_per_s"] for r in rounds_tj)
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,

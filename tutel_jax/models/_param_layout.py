@@ -12,12 +12,14 @@ weights in the CPU decode layout (`native.CompactBf16`: the same values in 12 bi
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import quant
+from ..core import usable_cpus
 from ..native import compact_bf16
 from ._spec import DecoderSpec
 
@@ -62,21 +64,30 @@ def to_disk(attn: Mapping[str, Any], spec: DecoderSpec) -> dict[str, np.ndarray]
 def compact_bf16_weights(params: dict) -> dict:
     """A bfloat16 model's dense linear weights in the CPU decode layout, in place: the attention projections, the
     dense MLPs and an untied lm_head as `native.CompactBf16` (the same values in 12 bits per element, 3/4 of the
-    bytes a decode step reads; weights it does not apply to stay as they are). Each weight's patch lists are
-    padded to the longest over the layers, so that layers of one kind keep one shape (`layer_programs`: one
-    program for them all). Each bfloat16 array is dropped as soon as its compact form exists. Returns params."""
-    sites: dict[tuple[str, str], list[tuple[dict, str]]] = {}
-    for lp in params["layers"]:
-        for part in ("attn", "mlp"):
-            for name, w in lp.get(part, {}).items():
-                compact = compact_bf16(w) if name.endswith("_proj") else None
-                if compact is not None:
-                    lp[part][name] = compact
-                    sites.setdefault((part, name), []).append((lp[part], name))
-    for places in sites.values():
-        count = max(d[name].patches.shape[0] for d, name in places)
-        for d, name in places:
-            d[name] = d[name].with_patch_capacity(count)
+    bytes a decode step reads; weights it does not apply to stay as they are), encoded on every CPU at once (the
+    encoder releases the GIL). Each weight's patch lists are padded to the longest over the layers, so that layers
+    of one kind keep one shape (`layer_programs`: one program for them all). Each bfloat16 array is dropped as soon
+    as its compact form exists. Returns params."""
+    sites = [(lp[part], part, name) for lp in params["layers"] for part in ("attn", "mlp")
+             for name in lp.get(part, {}) if name.endswith("_proj")]
     if "lm_head" in params:
-        params["lm_head"] = compact_bf16(params["lm_head"]) or params["lm_head"]
+        sites.insert(0, (params, "", "lm_head"))  # the largest first: the other workers take the layers meanwhile
+
+    def encode(site):
+        holder, _, name = site
+        compact = compact_bf16(holder[name])
+        if compact is not None:
+            holder[name] = compact
+        return compact is not None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
+        done = list(pool.map(encode, sites))
+    layers_of: dict[tuple[str, str], list[dict]] = {}  # (part, weight) -> the dicts holding it compact
+    for (holder, part, name), ok in zip(sites, done):
+        if ok and part:
+            layers_of.setdefault((part, name), []).append(holder)
+    for (_, name), holders in layers_of.items():
+        count = max(h[name].patches.shape[0] for h in holders)
+        for h in holders:
+            h[name] = h[name].with_patch_capacity(count)
     return params
