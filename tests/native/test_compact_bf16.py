@@ -2,7 +2,8 @@
 
 References: the bfloat16 weight itself (the container's `dequantize` gives back every bit: signed zeros,
 subnormals, inf, NaN, exponents outside the codes' table); float64 NumPy for the native dense kernel on it (every
-ISA this CPU runs: `test_native_packed`'s checks include the format); the same checkpoint loaded without the
+ISA this CPU runs: `test_native_packed`'s checks include the format) and for its native decoder (`bfloat16()`,
+bit-exact); the same checkpoint loaded without the
 compact layout (the fixture model in bfloat16: logits within one bfloat16 rounding of the output's scale, the
 same greedy tokens, the same exported tensors).
 """
@@ -48,6 +49,7 @@ def test_round_trip_is_bit_exact():
     assert c.patches.shape[0] >= 8  # subnormals, inf / NaN, the far exponents
     np.testing.assert_array_equal(_bits(c.dequantize()), _bits(w))
     np.testing.assert_array_equal(_bits(jax.jit(lambda c: c.dequantize())(c)), _bits(w))
+    np.testing.assert_array_equal(_bits(jax.jit(lambda c: c.bfloat16())(c)), _bits(w))  # the native decoder
     # the table holds the 15 most frequent exponents of normal numbers, code 0 is zero
     exps = (_bits(w) >> 7) & 0xFF
     counts = np.bincount(exps[(exps != 0) & (exps != 255)], minlength=256)
@@ -56,6 +58,7 @@ def test_round_trip_is_bit_exact():
     # a padded patch list stands for the same weight
     padded = c.with_patch_capacity(c.patches.shape[0] + 5)
     np.testing.assert_array_equal(_bits(padded.dequantize()), _bits(w))
+    np.testing.assert_array_equal(_bits(padded.bfloat16()), _bits(w))
     x = rng.normal(size=(3, 96)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, padded)), np.asarray(jax.jit(dense)(x, c)))
     with pytest.raises(ValueError, match="patches do not fit"):

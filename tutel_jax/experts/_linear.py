@@ -54,8 +54,9 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
 
 def xla_weight(w: Any) -> Any:
     """The weight as XLA's matmuls take it: a compact bfloat16 weight (`native.CompactBf16`, the native kernel's
-    12-bit layout) as the bfloat16 array it holds, exactly; float arrays and quantized containers as they are."""
-    return w.dequantize() if isinstance(w, CompactBf16) else w
+    12-bit layout) as the bfloat16 array it holds, exactly (decoded natively on CPU); float arrays and quantized
+    containers as they are."""
+    return w.bfloat16() if isinstance(w, CompactBf16) else w
 
 
 def matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:

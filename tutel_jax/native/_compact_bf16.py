@@ -1,7 +1,9 @@
 """Compact bfloat16: a bfloat16 weight [N, K] ([out, in]) held losslessly in 12 bits per element.
 
     compact_bf16(w) -> CompactBf16 | None        (encode at load; None where it does not apply or pay)
-    CompactBf16.dequantize() -> bfloat16 [N, K]  (the exact weight; XLA's path for many rows)
+    CompactBf16.dequantize() -> bfloat16 [N, K]  (the exact weight, in JAX: the reference)
+    CompactBf16.bfloat16() -> bfloat16 [N, K]    (the same, decoded by the native kernel on CPU: XLA's matmuls
+                                                  for many rows, e.g. a prefill, take it)
 
 A decode step reads every weight of the attention projections and the lm_head once per token, so its speed is
 the memory's; a bfloat16 element spends 8 bits on its exponent, while the weights of a layer use about a dozen
@@ -33,13 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import empty_aligned
-from ._build import load
+from .. import core
+from ._build import can_register, load, register
 
 __all__ = ["CompactBf16", "compact_bf16", "NATIVE_ID", "GROUP", "GROUP_BYTES"]
 
 NATIVE_ID = 6  # packed_rows.h
 GROUP, GROUP_BYTES = 32, 48  # elements per group, bytes per group
 CODES = 15  # exponents with a code (code 0 is zero)
+_DECODE = ("dense_cpu", "TutelJaxCompactDecode", "tutel_jax_compact_decode")  # source, symbol, FFI target
 #: compact only when it saves at least this share of the bfloat16 bytes (few patches)
 MIN_SAVING = 0.2
 
@@ -81,6 +85,16 @@ class CompactBf16:
             bits = bits.at[p[:, 0], p[:, 1]].set((p[:, 2].astype(jnp.uint32) >> 16).astype(jnp.uint16),
                                                  mode="drop")  # padding: row N
         return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+    def bfloat16(self) -> jax.Array:
+        """The weight, bfloat16 [N, K], exactly: decoded by the native kernel (`dense_cpu.cc`, over XLA's
+        intra-op pool, at the memory's speed) on CPU where it builds, else `dequantize()`."""
+        if not (core.platform() == "cpu" and can_register(*_DECODE)):
+            return self.dequantize()
+        register(*_DECODE)
+        _, data, index, patches = self.native_args()
+        call = jax.ffi.ffi_call(_DECODE[2], jax.ShapeDtypeStruct(self.shape, jnp.bfloat16))
+        return call(data, index, patches)
 
     def with_patch_capacity(self, count: int) -> "CompactBf16":
         """The same weight with its patch list padded to `count` entries (row N: read by nothing), so that the

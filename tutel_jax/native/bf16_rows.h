@@ -145,6 +145,35 @@ inline void compact_row_dots(const uint8_t* row, int64_t K, __m512i exponents, c
 }
 #endif
 
+// Row n of a compact bfloat16 weight as its bfloat16 codes (dst [K]), exactly, the patches included.
+inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
+  const int64_t groups = w.K / kBf16Chunk;
+  const uint8_t* row = w.data + n * groups * kCompactGroup;
+#if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
+  uint16_t table[32] = {};
+  for (int c = 0; c < 16; ++c) table[c] = uint16_t(w.exponents()[c] >> 16);
+  const __m512i exponents = _mm512_loadu_si512(table);
+  for (int64_t c = 0; c < groups; ++c) {
+    prefetch_stream(row + c * kCompactGroup);
+    _mm512_storeu_si512(dst + c * kBf16Chunk, compact_group_bf16(row + c * kCompactGroup, exponents));
+  }
+#else
+  const CompactChunks chunks{row, w.exponents()};
+  for (int64_t c = 0; c < groups; ++c) {
+    Native v[kChunkVectors];
+    chunks.get(c, v);
+    for (int i = 0; i < kChunkVectors; ++i)
+      for (int l = 0; l < kNativeLanes; ++l) {
+        uint32_t bits;
+        std::memcpy(&bits, &v[i][l], 4);
+        dst[c * kBf16Chunk + i * kNativeLanes + l] = uint16_t(bits >> 16);
+      }
+  }
+#endif
+  for (int32_t p = w.patch_index()[n]; p < w.patch_index()[n + 1]; ++p)
+    dst[w.patches[3 * p + 1]] = uint16_t(uint32_t(w.patches[3 * p + 2]) >> 16);
+}
+
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for a compact bfloat16 weight (K a multiple of 32) and R <= kMaxRows
 // rows given as `to_bf16_rows` codes: each group decoded to bfloat16 codes in registers, the patches added in
 // float32 after the row's dot products. Only where kBf16Dot.

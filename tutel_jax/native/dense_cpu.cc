@@ -66,7 +66,34 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// A compact bfloat16 weight [N, K] (packed_rows.h) -> its bfloat16 codes [N, K], exactly: the weight XLA's matmuls
+// take for many rows (a prefill), decoded at the memory's speed over the pool.
+ffi::Error CompactDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer groups, ffi::AnyBuffer index, ffi::AnyBuffer patches,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  tj::Weight w;
+  std::string err = tj::parse_weight("compact weight", tj::kCompactBf16, groups, index, patches, &w);
+  if (!err.empty()) return ffi::Error::InvalidArgument("compact decode: " + err);
+  auto od = out->dimensions();
+  if (w.E != 1 || od.size() != 2 || od[0] != w.N || od[1] != w.K)
+    return ffi::Error::InvalidArgument("compact decode: output must be [N, K] of a [1, N, K] weight");
+  const tj::PackedWeight p = w.packed(0);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out->untyped_data());
+  const int64_t width = tj::Weight::kItemRows;
+  tj::run_items(pool, (w.N + width - 1) / width, int64_t(1) << 30, [&](int64_t i) {
+    for (int64_t n = i * width; n < std::min(w.N, (i + 1) * width); ++n) tj::compact_row_bf16(p, n, dst + n * w.K);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxCompactDecode, CompactDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // groups [1, N, K/32 * 48]
+                                  .Arg<ffi::AnyBuffer>()          // index [1, 17 + N]
+                                  .Arg<ffi::AnyBuffer>()          // patches [1, P, 3]
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxDense, DenseImpl,
                               ffi::Ffi::Bind()
