@@ -162,12 +162,10 @@ inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
   for (int64_t c = 0; c < groups; ++c) {
     Native v[kChunkVectors];
     chunks.get(c, v);
-    for (int i = 0; i < kChunkVectors; ++i)
-      for (int l = 0; l < kNativeLanes; ++l) {
-        uint32_t bits;
-        std::memcpy(&bits, &v[i][l], 4);
-        dst[c * kBf16Chunk + i * kNativeLanes + l] = uint16_t(bits >> 16);
-      }
+    for (int i = 0; i < kChunkVectors; ++i) {
+      const UNative bits = (UNative)v[i] >> 16;  // exact: the low 16 bits of a decoded bfloat16 are zero
+      for (int l = 0; l < kNativeLanes; ++l) dst[c * kBf16Chunk + i * kNativeLanes + l] = uint16_t(bits[l]);
+    }
   }
 #endif
   for (int32_t p = w.patch_index()[n]; p < w.patch_index()[n + 1]; ++p)
