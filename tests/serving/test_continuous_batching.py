@@ -15,6 +15,7 @@ from tutel_jax.models._layers import AttnContext, attend, write_cache
 from tutel_jax.serving import generate
 from tutel_jax.serving._continuous import TRACES, ContinuousBatcher, Request, prompt_bucket
 from tutel_jax.serving import sample_rows
+from tutel_jax.serving._steps import greedy_tokens
 from support.paths import HF
 
 
@@ -169,6 +170,25 @@ def test_sample_rows_per_row_parameters():
     assert tok[3] in np.argsort(-np.asarray(logits[3]))[:5]
     other = sample_rows(logits.at[:2].set(0.0), keys, temp.at[0].set(1.0), top_k, top_p)
     np.testing.assert_array_equal(np.asarray(other)[2:], tok[2:])
+
+
+def test_greedy_tokens_are_numpy_argmax():
+    """The greedy token is NumPy's argmax of each row: the first of tied maxima, an inf, the first NaN (over an
+    inf), a row of -inf (0), and rows of a large vocabulary."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 1000)).astype(np.float32)
+    x[1, [5, 7]] = np.nan
+    x[2] = -np.inf
+    x[3, 3] = np.inf
+    x[4] = 1.0
+    x[5, [9, 11]] = [np.inf, np.nan]
+    x[6, [40, 700]] = 9.0
+    x[7, [999]] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(x)), np.argmax(x, -1))
+    big = rng.normal(size=(3, 201088)).astype(np.float32)
+    got = jax.jit(greedy_tokens)(big)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(big, -1))
 
 
 def test_decode_step_compiles_once(model):

@@ -106,28 +106,36 @@ inline void bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t 
 }
 
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-// Group c of a compact bfloat16 row (packed_rows.h) as 32 bfloat16 codes: the sign and mantissa bytes widened to
-// words (sign << 15 | mantissa), or-ed with each code's exponent bits (a 32-word table lookup).
-TJ_INLINE __m512i compact_group_bf16(const uint8_t* g, __m512i exponents) {
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
-  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32));
-  const __m128i nib = _mm_set1_epi8(15);
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(codes, nib)),
-                                               _mm_and_si128(_mm_srli_epi16(codes, 4), nib), 1);
-  const __m512i e = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), exponents);
-  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 15), _mm512_srli_epi16(b, 1), e, 0xFE);  // a | b | c
+// The 16 codes' high bytes in both 128-bit lanes (the `vpshufb` table).
+inline __m256i compact_table(const PackedWeight& w) {
+  uint8_t bytes[16];
+  for (int c = 0; c < 16; ++c) bytes[c] = uint8_t(w.high_bytes()[c] >> 24);
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
 }
 
-// sums[r] = dot(row [K], xb[r * len ..]) for a compact bfloat16 row (its patches aside) and R rows.
+// Group c of a compact bfloat16 row (packed_rows.h) as 32 bfloat16 codes in the arranged order (elements 0-7,
+// 16-23, 8-15, 24-31): the code nibbles as bytes (low nibbles in the low lane, high ones in the high lane) look
+// up their high bytes (`vpshufb`), and byte unpacks pair them with the low bytes, all within 128-bit lanes.
+TJ_INLINE __m512i compact_group_bf16(const uint8_t* g, __m256i table) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32)));
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(15));
+  const __m256i high = _mm256_shuffle_epi8(table, codes);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(low, high)),
+                            _mm256_unpackhi_epi8(low, high), 1);
+}
+
+// sums[r] = dot(row [K], xb[r * len ..]) for a compact bfloat16 row (its patches aside) and R arranged rows.
 template <int R>
-inline void compact_row_dots(const uint8_t* row, int64_t K, __m512i exponents, const uint16_t* xb, int64_t len,
+inline void compact_row_dots(const uint8_t* row, int64_t K, __m256i table, const uint16_t* xb, int64_t len,
                              float* sums) {
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
   const int64_t groups = K / kBf16Chunk;
   auto step = [&](int h, int64_t c) TJ_INLINE_LAMBDA {
-    const __m512i wv = compact_group_bf16(row + c * kCompactGroup, exponents);
+    const __m512i wv = compact_group_bf16(row + c * kCompactGroup, table);
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_loadu_si512(xb + r * len + c * kBf16Chunk);
       acc[h][r] = _mm512_dpbf16_ps(acc[h][r], (__m512bh)xv, (__m512bh)wv);
@@ -145,26 +153,28 @@ inline void compact_row_dots(const uint8_t* row, int64_t K, __m512i exponents, c
 }
 #endif
 
-// Row n of a compact bfloat16 weight as its bfloat16 codes (dst [K]), exactly, the patches included.
+// Row n of a compact bfloat16 weight as its bfloat16 codes (dst [K], element order), exactly, the patches
+// included.
 inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
   const int64_t groups = w.K / kBf16Chunk;
   const uint8_t* row = w.data + n * groups * kCompactGroup;
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-  uint16_t table[32] = {};
-  for (int c = 0; c < 16; ++c) table[c] = uint16_t(w.exponents()[c] >> 16);
-  const __m512i exponents = _mm512_loadu_si512(table);
+  const __m256i table = compact_table(w);
   for (int64_t c = 0; c < groups; ++c) {
     prefetch_stream(row + c * kCompactGroup);
-    _mm512_storeu_si512(dst + c * kBf16Chunk, compact_group_bf16(row + c * kCompactGroup, exponents));
+    const __m512i v = compact_group_bf16(row + c * kCompactGroup, table);
+    // 128-bit blocks (8 elements) from the arranged order back to the elements'
+    _mm512_storeu_si512(dst + c * kBf16Chunk, _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
   }
 #else
-  const CompactChunks chunks{row, w.exponents()};
+  const CompactChunks chunks{row, w.high_bytes()};
   for (int64_t c = 0; c < groups; ++c) {
     Native v[kChunkVectors];
     chunks.get(c, v);
     for (int i = 0; i < kChunkVectors; ++i) {
       const UNative bits = (UNative)v[i] >> 16;  // exact: the low 16 bits of a decoded bfloat16 are zero
-      for (int l = 0; l < kNativeLanes; ++l) dst[c * kBf16Chunk + i * kNativeLanes + l] = uint16_t(bits[l]);
+      for (int l = 0; l < kNativeLanes; ++l)
+        dst[c * kBf16Chunk + compact_swap(i * kNativeLanes + l)] = uint16_t(bits[l]);
     }
   }
 #endif
@@ -173,20 +183,18 @@ inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
 }
 
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for a compact bfloat16 weight (K a multiple of 32) and R <= kMaxRows
-// rows given as `to_bf16_rows` codes: each group decoded to bfloat16 codes in registers, the patches added in
-// float32 after the row's dot products. Only where kBf16Dot.
+// rows given as `to_bf16_rows` codes of arranged rows: each group decoded to bfloat16 codes in registers, the
+// patches added in float32 after the row's dot products. Only where kBf16Dot.
 inline void compact_bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t n0, int64_t n1, float* out,
                               int64_t ldo) {
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-  uint16_t table[32] = {};
-  for (int c = 0; c < 16; ++c) table[c] = uint16_t(w.exponents()[c] >> 16);
-  const __m512i exponents = _mm512_loadu_si512(table);
+  const __m256i table = compact_table(w);
   const int64_t len = bf16_row_len(w.K), row_bytes = w.K / kBf16Chunk * kCompactGroup;
   with_row_count(R, [&](auto count) {
     constexpr int kR = decltype(count)::value;
     for (int64_t n = n0; n < n1; ++n) {
       float sums[kR];
-      compact_row_dots<kR>(w.data + n * row_bytes, w.K, exponents, xb, len, sums);
+      compact_row_dots<kR>(w.data + n * row_bytes, w.K, table, xb, len, sums);
       add_patches<kR>(w, n, [&](int r, int64_t k) { return bf16_to_float(xb[r * len + k]); }, sums);
       for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r];
     }

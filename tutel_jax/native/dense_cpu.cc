@@ -109,24 +109,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TutelJaxDense, DenseImpl,
                                   .Attr<int64_t>("max_workers"));
 
 // Compact bfloat16 encoding (tutel_jax/native/_compact_bf16.py; the layout: packed_rows.h), called through ctypes
-// at load. counts [257]: elements per bfloat16 exponent field, then the zeros (+0 and -0).
-extern "C" __attribute__((used, visibility("default"))) void TutelJaxBf16ExponentCounts(const uint16_t* w,
-                                                                                      int64_t count,
-                                                                                      int64_t* counts) {
-  int64_t local[257] = {};
-  for (int64_t i = 0; i < count; ++i) {
-    const uint16_t u = w[i];
-    ++local[(u >> 7) & 0xFF];
-    local[256] += (u & 0x7FFF) == 0;
-  }
-  for (int i = 0; i < 257; ++i) counts[i] = local[i];
+// at load. counts [128]: elements per value of the bfloat16 code's high byte but its sign (the exponent but its last
+// bit).
+extern "C" __attribute__((used, visibility("default"))) void TutelJaxBf16HighCounts(const uint16_t* w, int64_t count,
+                                                                                  int64_t* counts) {
+  int64_t local[128] = {};
+  for (int64_t i = 0; i < count; ++i) ++local[(w[i] >> 8) & 0x7F];
+  for (int i = 0; i < 128; ++i) counts[i] = local[i];
 }
 
 // w [N, K] bfloat16 codes (K a multiple of 32) -> groups [N, K/32, 48], offsets [N + 1] (each row's first patch)
-// and patches [capacity, 3]; code_of [256]: each exponent field's code (0: none; zeros take code 0, the elements
-// of other uncoded exponents become patches). Returns the patch count, or -1 when more than `capacity`.
+// and patches [capacity, 3]; slot_of [128]: the table slot (0-7) of each high byte but its sign, 255 where none (the
+// element is a patch, zero in the groups: slot 0 is always the high byte 0). An element's code is its sign << 3 |
+// its slot. Returns the patch count, or -1 when more than `capacity`.
 extern "C" __attribute__((used, visibility("default"))) int64_t TutelJaxCompactBf16Encode(
-    const uint16_t* w, int64_t N, int64_t K, const uint8_t* code_of, uint8_t* groups, int32_t* offsets,
+    const uint16_t* w, int64_t N, int64_t K, const uint8_t* slot_of, uint8_t* groups, int32_t* offsets,
     int32_t* patches, int64_t capacity) {
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) {
@@ -137,10 +134,10 @@ extern "C" __attribute__((used, visibility("default"))) int64_t TutelJaxCompactB
       uint8_t codes[32];
       for (int j = 0; j < 32; ++j) {
         const uint16_t u = src[j];
-        const uint8_t sign = u >> 15, mant = u & 0x7F, code = code_of[(u >> 7) & 0xFF];
-        if ((u & 0x7FFF) == 0 || code != 0) {
-          g[j] = uint8_t(mant << 1 | sign);
-          codes[j] = (u & 0x7FFF) == 0 ? 0 : code;
+        const uint8_t slot = slot_of[(u >> 8) & 0x7F];
+        if (slot != 255) {
+          g[j] = uint8_t(u & 0xFF);
+          codes[j] = uint8_t((u >> 15) << 3 | slot);
           continue;
         }
         if (count == capacity) return -1;

@@ -7,10 +7,13 @@
 //   NVFP4      E2M1 nibbles [N, K/2], e4m3 scales [N, K/16], float32 global g          w = LUT[c] * (f32(s) / g)
 //              (ModelOpt's multiplying global scale: w = LUT[c] * (f32(s) * g))
 //   compact bf16 bfloat16 values in 12 bits, losslessly (tutel_jax/native/_compact_bf16.py): per group of 32
-//              elements 48 bytes, 32 of (mantissa << 1 | sign) then 16 of 4-bit exponent codes (byte j: element
-//              j in the low nibble, element j + 16 in the high one); index [16 + N + 1] int32: the float32
-//              exponent bits of each code (code 0: zero), then each row's first patch; patches [P, 3] int32
-//              (row, column, float32 bits): the elements no code holds, zero in the groups
+//              elements 48 bytes, 32 low bytes of the bfloat16 codes (the exponent's last bit and the mantissa),
+//              then 16 bytes of 4-bit codes for the high bytes (byte j: element j in the low nibble, element
+//              j + 16 in the high one); index [16 + N + 1] int32: each code's high byte << 24 (the float32 bits
+//              of sign and exponent but its last bit), then each row's first patch; patches [P, 3] int32 (row,
+//              column, float32 bits): the elements no code holds, zero in the groups. Activations are arranged
+//              with runs 8-15 and 16-23 of each group swapped (`compact_swap`): the order in which byte unpacks
+//              within 128-bit lanes pair low and high bytes.
 // `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows (up
 // to `kMaxRows`, the ISA's register budget) each weight row is read once, decoded in registers (the dequantized
 // weight never exists in memory) and multiplied by all rows at once; more rows decode a few weight rows into a
@@ -51,6 +54,10 @@ constexpr int kChunk = 32;      // elements per decoded chunk (kChunkVectors reg
 constexpr int kFp8Tile = 128;   // FP8 scale block (both axes)
 constexpr int kCompactGroup = 48;  // bytes per 32 elements of a compact bfloat16 row
 
+// A compact bfloat16 row's arranged position of element k, and the element at arranged position k (an
+// involution): runs 8-15 and 16-23 of each 32 swap places.
+TJ_INLINE int64_t compact_swap(int64_t k) { return k ^ ((((k >> 3) ^ (k >> 4)) & 1) * 24); }
+
 
 // e4m3fn -> float32 with no subnormal float32 on the way (a denormals-are-zero thread would read one as 0).
 inline float e4m3_to_float(uint8_t b) {
@@ -77,19 +84,20 @@ struct PackedWeight {
 
   int64_t scales_per_row() const { return K / fp4_block(fmt); }
 
-  // compact bf16: the exponent bits of the 16 codes, and row n's patches [first, last)
-  const uint32_t* exponents() const { return reinterpret_cast<const uint32_t*>(scale); }
+  // compact bf16: the float32 bits (high byte << 24) of the 16 codes, and row n's patches [first, last)
+  const uint32_t* high_bytes() const { return reinterpret_cast<const uint32_t*>(scale); }
   const int32_t* patch_index() const { return reinterpret_cast<const int32_t*>(scale) + 16; }
 };
 
-// sums[r] += w[n, k] * x[r * ldx + k] for the patches (n, k) of a compact bfloat16 row: the elements its codes
-// do not hold (`x_at(r, k)`: the activation).
+// sums[r] += w[n, k] * x_r[k] for the patches (n, k) of a compact bfloat16 row: the elements its codes do not
+// hold (`x_at(r, p)`: the activation at arranged position p).
 template <int R, typename XAt>
 TJ_INLINE void add_patches(const PackedWeight& w, int64_t n, XAt&& x_at, float* sums) {
   const int32_t* index = w.patch_index();
   for (int32_t p = index[n]; p < index[n + 1]; ++p) {
     const float v = bits_to_float(uint32_t(w.patches[3 * p + 2]));
-    for (int r = 0; r < R; ++r) sums[r] += v * x_at(r, w.patches[3 * p + 1]);
+    const int64_t at = compact_swap(w.patches[3 * p + 1]);
+    for (int r = 0; r < R; ++r) sums[r] += v * x_at(r, at);
   }
 }
 
@@ -119,11 +127,15 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
 
 constexpr int kWide = 128;  // FP4 elements per wide chunk (one 64-byte load)
 
-// Activations laid out for `fmt` (FP8 and float rows: x as it is). FP4 rows are read in wide chunks of 128
+// Activations laid out for `fmt` (FP8 and float rows: x as it is; compact bfloat16: `compact_swap`). FP4 rows are read in wide chunks of 128
 // elements: 16 lanes of 4 bytes, nibble j of lane l being element 8l + j, so x's wide chunk is laid out as
 // xa[16j + l] = x[8l + j]. The rest (K % 128) goes in chunks of 32 as [16 even, 16 odd elements], and what
 // remains after those (K % 32) keeps its order. x [K] -> xa [K].
 inline void arrange(int fmt, const float* x, int64_t K, float* xa) {
+  if (fmt == kCompactBf16) {  // K a multiple of 32
+    for (int64_t k = 0; k < K; k += 8) std::memcpy(xa + k, x + compact_swap(k), sizeof(float) * 8);
+    return;
+  }
   if (!is_fp4(fmt)) {
     std::memcpy(xa, x, sizeof(float) * K);
     return;
@@ -177,19 +189,27 @@ struct Fp8Chunks {
   }
 };
 
-// Chunk c of a compact bfloat16 row (its patches aside: zero here).
+// Chunk c of a compact bfloat16 row in the arranged order (its patches aside: zero here): each element's low
+// byte << 16 or-ed with its code's float32 high bits. A register of up to 8 lanes holds one run of 8 elements; a
+// register of 16 two (elements 0-7 and 16-23, then 8-15 and 24-31).
 struct CompactChunks {
-  const uint8_t* groups;     // the row's
-  const uint32_t* exponents;
+  const uint8_t* groups;  // the row's
+  const uint32_t* high;   // the codes' float32 bits
   TJ_INLINE void get(int64_t c, Native* w) const {
     const uint8_t* g = groups + kCompactGroup * c;
     prefetch_stream(g);
     for (int v = 0; v < kChunkVectors; ++v) {
-      const int e0 = v * kNativeLanes;
-      const UNative b = load_bytes(g + e0);
+#if defined(TJ_ISA_AVX512)
+      const UNative low = load_byte_runs(g + 8 * v, g + 8 * v + 16);
+      const UNative code = load_byte_runs(g + 32 + 8 * v, g + 32 + 8 * v) >> UNative{0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                    4, 4, 4, 4, 4, 4, 4, 4};
+#else
+      const int e0 = int(compact_swap(v * kNativeLanes));
+      const UNative low = load_bytes(g + e0);
       UNative code = load_bytes(g + 32 + (e0 & 15));
       if (e0 >= 16) code = code >> 4;
-      w[v] = (Native)(((b & 1u) << 31) | ((b >> 1) << 16) | lookup16(code, exponents));
+#endif
+      w[v] = (Native)((low << 16) | lookup16(code, high));
     }
   }
 };
@@ -284,7 +304,7 @@ TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
     const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
     fn(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
   } else if (w.fmt == kCompactBf16) {
-    fn(CompactChunks{w.data + n * (K / kChunk) * kCompactGroup, w.exponents()});
+    fn(CompactChunks{w.data + n * (K / kChunk) * kCompactGroup, w.high_bytes()});
   } else if (w.fmt == kFloat32) {
     fn(FloatRowChunks{reinterpret_cast<const float*>(w.data) + n * K, nullptr});
   } else {
@@ -391,7 +411,7 @@ inline void decode_row(const PackedWeight& w, const float* table, int64_t n, flo
   for (int64_t k = done; k < K; ++k) dst[k] = decode_one(w, table, n, k);
   if (w.fmt == kCompactBf16)
     for (int32_t p = w.patch_index()[n]; p < w.patch_index()[n + 1]; ++p)
-      dst[w.patches[3 * p + 1]] = bits_to_float(uint32_t(w.patches[3 * p + 2]));
+      dst[compact_swap(w.patches[3 * p + 1])] = bits_to_float(uint32_t(w.patches[3 * p + 2]));
 }
 
 // out[i, j] = dot(x[i], wd[j]) for RX x rows and RW decoded weight rows, accumulated in registers.

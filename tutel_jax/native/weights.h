@@ -132,6 +132,8 @@ inline std::string parse_compact(const std::string& name, ffi::AnyBuffer data, f
   // every row's patches lie inside the list and inside the row (a bad index must not read out of bounds)
   for (int64_t e = 0; e < w->E; ++e) {
     const int32_t* off = reinterpret_cast<const int32_t*>(w->scale + e * w->scale_stride) + 16;
+    for (int c = 0; c < 16; ++c)
+      if (off[c - 16] & 0x00FFFFFF) return name + ": compact bfloat16 codes must be high bytes << 24";
     const int32_t* pe = w->patches + e * w->patch_stride;
     if (off[0] != 0 || off[w->N] > p[1]) return name + ": compact bfloat16 patch index out of range";
     for (int64_t n = 0; n < w->N; ++n) {

@@ -83,6 +83,17 @@ def trim_bias(sampling: RowSampling) -> RowSampling:
     return sampling._replace(bias_ids=sampling.bias_ids[:, :0], biases=sampling.biases[:, :0])
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """jnp.argmax(logits [B, V], -1) as int32 [B] (the first maximum; a NaN counts as the maximum) in plain
+    reductions: XLA:CPU runs an argmax's index-carrying reduction element by element (0.9 ms over a 201k
+    vocabulary, against 0.27 ms for these)."""
+    nan = jnp.isnan(logits)
+    top = jnp.max(jnp.where(nan, jnp.inf, logits), axis=-1, keepdims=True)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, logits == top)
+    V = logits.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 top_p: jax.Array) -> jax.Array:
     """The one sampler: next tokens [B] int32 from logits [B, V], each row with its own parameters.
@@ -91,7 +102,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     top_p [B] float (>= 1: off): a sample of softmax(logits / temperature) restricted to the top_k tokens and
     the top_p nucleus. A row's token depends only on its own logits, key and parameters (never on the other
     rows), so a row can be reproduced from its seed whatever batch it runs in."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
 
     def sampled(_):
         V = logits.shape[-1]
