@@ -138,7 +138,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     `native.CompactBf16` (the same values in 12 bits per element, decoded in registers by the native dense kernel:
     3/4 of the bytes a decode step reads; `param_layout.compact_bf16_weights`); True, False or 'auto' (the
     default: where the native dense kernel runs them, i.e. a bfloat16 model on CPU, no mesh, dense_impl 'auto' or
-    'native', and a build with bfloat16 dot products, `native.compact_pays_off`).
+    'native', and an x86 build, which decodes the codes faster than memory delivers them,
+    `native.compact_pays_off`).
     `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
     per-layer progress bar (None: when stderr is a terminal). Errors (ValueError naming the file or tensor;
     nothing partial is returned): unknown model_type, missing config.json / shard / tensor, bad safetensors

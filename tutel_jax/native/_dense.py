@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import core, quant
 from ..core import varying_like
-from ._build import bf16_dot, can_register, register
+from ._build import can_register, isa, register
 from ._weights import bias_arg, check_activations, check_max_workers, empty, unsupported, weight_args
 
 __all__ = ["dense", "available", "worth_it", "compact_pays_off", "MAX_ROWS"]
@@ -44,8 +44,9 @@ def available() -> bool:
 
 def compact_pays_off() -> bool:
     """Whether 'auto' loads bfloat16 models compact (`CompactBf16`) here: the kernel is available and its build
-    has the AVX-512 BF16 dot products that decode the codes at the memory's speed (`build.bf16_dot`)."""
-    return available() and bf16_dot()
+    decodes the codes faster than memory delivers them (x86 AVX2 / AVX-512: byte table lookups and unpacks,
+    `packed_rows.h`; the NEON and portable builds decode element by element)."""
+    return available() and isa() in ("avx2", "avx512")
 
 
 def worth_it(x: jax.Array, w: Any) -> bool:

@@ -106,24 +106,12 @@ inline void bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t 
 }
 
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-// The 16 codes' high bytes in both 128-bit lanes (the `vpshufb` table).
-inline __m256i compact_table(const PackedWeight& w) {
-  uint8_t bytes[16];
-  for (int c = 0; c < 16; ++c) bytes[c] = uint8_t(w.high_bytes()[c] >> 24);
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-}
-
 // Group c of a compact bfloat16 row (packed_rows.h) as 32 bfloat16 codes in the arranged order (elements 0-7,
-// 16-23, 8-15, 24-31): the code nibbles as bytes (low nibbles in the low lane, high ones in the high lane) look
-// up their high bytes (`vpshufb`), and byte unpacks pair them with the low bytes, all within 128-bit lanes.
+// 16-23, 8-15, 24-31).
 TJ_INLINE __m512i compact_group_bf16(const uint8_t* g, __m256i table) {
-  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32)));
-  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                         _mm256_set1_epi8(15));
-  const __m256i high = _mm256_shuffle_epi8(table, codes);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(low, high)),
-                            _mm256_unpackhi_epi8(low, high), 1);
+  __m256i words[2];
+  compact_group_words(g, table, words);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(words[0]), words[1], 1);
 }
 
 // sums[r] = dot(row [K], xb[r * len ..]) for a compact bfloat16 row (its patches aside) and R arranged rows.
@@ -159,7 +147,7 @@ inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
   const int64_t groups = w.K / kBf16Chunk;
   const uint8_t* row = w.data + n * groups * kCompactGroup;
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-  const __m256i table = compact_table(w);
+  const __m256i table = compact_table(w.high_bytes());
   for (int64_t c = 0; c < groups; ++c) {
     prefetch_stream(row + c * kCompactGroup);
     const __m512i v = compact_group_bf16(row + c * kCompactGroup, table);
@@ -174,7 +162,7 @@ inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
     for (int i = 0; i < kChunkVectors; ++i) {
       const UNative bits = (UNative)v[i] >> 16;  // exact: the low 16 bits of a decoded bfloat16 are zero
       for (int l = 0; l < kNativeLanes; ++l)
-        dst[c * kBf16Chunk + compact_swap(i * kNativeLanes + l)] = uint16_t(bits[l]);
+        dst[c * kBf16Chunk + compact_element(i * kNativeLanes + l)] = uint16_t(bits[l]);
     }
   }
 #endif
@@ -188,7 +176,7 @@ inline void compact_row_bf16(const PackedWeight& w, int64_t n, uint16_t* dst) {
 inline void compact_bf16_rows(const PackedWeight& w, const uint16_t* xb, int R, int64_t n0, int64_t n1, float* out,
                               int64_t ldo) {
 #if defined(TJ_ISA_AVX512) && defined(__AVX512BF16__)
-  const __m256i table = compact_table(w);
+  const __m256i table = compact_table(w.high_bytes());
   const int64_t len = bf16_row_len(w.K), row_bytes = w.K / kBf16Chunk * kCompactGroup;
   with_row_count(R, [&](auto count) {
     constexpr int kR = decltype(count)::value;

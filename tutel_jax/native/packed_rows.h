@@ -12,8 +12,8 @@
 //              j + 16 in the high one); index [16 + N + 1] int32: each code's high byte << 24 (the float32 bits
 //              of sign and exponent but its last bit), then each row's first patch; patches [P, 3] int32 (row,
 //              column, float32 bits): the elements no code holds, zero in the groups. Activations are arranged
-//              with runs 8-15 and 16-23 of each group swapped (`compact_swap`): the order in which byte unpacks
-//              within 128-bit lanes pair low and high bytes.
+//              in the order in which byte unpacks within 128-bit lanes pair low and high bytes
+//              (`compact_position`).
 // `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows (up
 // to `kMaxRows`, the ISA's register budget) each weight row is read once, decoded in registers (the dequantized
 // weight never exists in memory) and multiplied by all rows at once; more rows decode a few weight rows into a
@@ -54,10 +54,30 @@ constexpr int kChunk = 32;      // elements per decoded chunk (kChunkVectors reg
 constexpr int kFp8Tile = 128;   // FP8 scale block (both axes)
 constexpr int kCompactGroup = 48;  // bytes per 32 elements of a compact bfloat16 row
 
-// A compact bfloat16 row's arranged position of element k, and the element at arranged position k (an
-// involution): runs 8-15 and 16-23 of each 32 swap places.
-TJ_INLINE int64_t compact_swap(int64_t k) { return k ^ ((((k >> 3) ^ (k >> 4)) & 1) * 24); }
+// Where the generic float32 path decodes compact bfloat16 rows with byte table lookups and unpacks (AVX2, and
+// AVX-512 without the BF16 dot products, whose own path takes bfloat16 rows: `bf16_rows.h`).
+#if defined(TJ_ISA_AVX2) || (defined(TJ_ISA_AVX512) && !defined(__AVX512BF16__))
+#define TJ_COMPACT_UNPACKS 1
+#endif
 
+// A compact bfloat16 row's arranged position of element k, and the element at arranged position q, within each
+// group of 32: with TJ_COMPACT_UNPACKS (byte unpacks, then word unpacks to float32) runs of 4 as elements 0-3,
+// 16-19, 4-7, 20-23, 8-11, 24-27, 12-15, 28-31; in every other build (byte unpacks to bfloat16, or the generic
+// decode) runs 8-15 and 16-23 swapped.
+TJ_INLINE int64_t compact_position(int64_t k) {
+#if defined(TJ_COMPACT_UNPACKS)
+  return (k & ~int64_t(31)) | ((k & 12) << 1) | ((k >> 2) & 4) | (k & 3);
+#else
+  return k ^ ((((k >> 3) ^ (k >> 4)) & 1) * 24);
+#endif
+}
+TJ_INLINE int64_t compact_element(int64_t q) {
+#if defined(TJ_COMPACT_UNPACKS)
+  return (q & ~int64_t(31)) | ((q & 4) << 2) | ((q >> 1) & 12) | (q & 3);
+#else
+  return compact_position(q);  // an involution
+#endif
+}
 
 // e4m3fn -> float32 with no subnormal float32 on the way (a denormals-are-zero thread would read one as 0).
 inline float e4m3_to_float(uint8_t b) {
@@ -96,7 +116,7 @@ TJ_INLINE void add_patches(const PackedWeight& w, int64_t n, XAt&& x_at, float* 
   const int32_t* index = w.patch_index();
   for (int32_t p = index[n]; p < index[n + 1]; ++p) {
     const float v = bits_to_float(uint32_t(w.patches[3 * p + 2]));
-    const int64_t at = compact_swap(w.patches[3 * p + 1]);
+    const int64_t at = compact_position(w.patches[3 * p + 1]);
     for (int r = 0; r < R; ++r) sums[r] += v * x_at(r, at);
   }
 }
@@ -127,13 +147,14 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
 
 constexpr int kWide = 128;  // FP4 elements per wide chunk (one 64-byte load)
 
-// Activations laid out for `fmt` (FP8 and float rows: x as it is; compact bfloat16: `compact_swap`). FP4 rows are read in wide chunks of 128
+// Activations laid out for `fmt` (FP8 and float rows: x as it is; compact bfloat16: `compact_position`). FP4
+// rows are read in wide chunks of 128
 // elements: 16 lanes of 4 bytes, nibble j of lane l being element 8l + j, so x's wide chunk is laid out as
 // xa[16j + l] = x[8l + j]. The rest (K % 128) goes in chunks of 32 as [16 even, 16 odd elements], and what
 // remains after those (K % 32) keeps its order. x [K] -> xa [K].
 inline void arrange(int fmt, const float* x, int64_t K, float* xa) {
   if (fmt == kCompactBf16) {  // K a multiple of 32
-    for (int64_t k = 0; k < K; k += 8) std::memcpy(xa + k, x + compact_swap(k), sizeof(float) * 8);
+    for (int64_t k = 0; k < K; k += 4) std::memcpy(xa + compact_position(k), x + k, sizeof(float) * 4);
     return;
   }
   if (!is_fp4(fmt)) {
@@ -189,28 +210,73 @@ struct Fp8Chunks {
   }
 };
 
-// Chunk c of a compact bfloat16 row in the arranged order (its patches aside: zero here): each element's low
-// byte << 16 or-ed with its code's float32 high bits. A register of up to 8 lanes holds one run of 8 elements; a
-// register of 16 two (elements 0-7 and 16-23, then 8-15 and 24-31).
+#if defined(TJ_ISA_AVX2) || defined(TJ_ISA_AVX512)
+// The 16 codes' high bytes in both 128-bit lanes (the `vpshufb` table).
+inline __m256i compact_table(const uint32_t* high) {
+  uint8_t bytes[16];
+  for (int c = 0; c < 16; ++c) bytes[c] = uint8_t(high[c] >> 24);
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+}
+
+// A group of a compact bfloat16 row as 32 bfloat16 codes in two registers of 16 (elements 0-7 | 16-23 and 8-15 |
+// 24-31, by 128-bit lane): the code nibbles as bytes (low nibbles in the low lane, high ones in the high lane) look
+// up their high bytes (`vpshufb`), and byte unpacks pair them with the low bytes, all within 128-bit lanes.
+TJ_INLINE void compact_group_words(const uint8_t* g, __m256i table, __m256i words[2]) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32)));
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(15));
+  const __m256i high = _mm256_shuffle_epi8(table, codes);
+  words[0] = _mm256_unpacklo_epi8(low, high);
+  words[1] = _mm256_unpackhi_epi8(low, high);
+}
+#endif
+
+// Chunk c of a compact bfloat16 row in the arranged order (its patches aside: zero here), as float32: each
+// element's bfloat16 code << 16. x86: `compact_group_words`, widened (AVX-512 BF16 builds: in their bfloat16
+// order; TJ_COMPACT_UNPACKS: by word unpacks); else a register of up to 8 lanes holds one run of 8 elements, its
+// low bytes << 16 or-ed with its codes' float32 high bits.
 struct CompactChunks {
   const uint8_t* groups;  // the row's
   const uint32_t* high;   // the codes' float32 bits
+#if defined(TJ_ISA_AVX2) || defined(TJ_ISA_AVX512)
+  __m256i table;
+  CompactChunks(const uint8_t* g, const uint32_t* h) : groups(g), high(h), table(compact_table(h)) {}
+#else
+  CompactChunks(const uint8_t* g, const uint32_t* h) : groups(g), high(h) {}
+#endif
   TJ_INLINE void get(int64_t c, Native* w) const {
     const uint8_t* g = groups + kCompactGroup * c;
     prefetch_stream(g);
-    for (int v = 0; v < kChunkVectors; ++v) {
+#if defined(TJ_ISA_AVX2) || defined(TJ_ISA_AVX512)
+    __m256i words[2];
+    compact_group_words(g, table, words);
+#if defined(TJ_COMPACT_UNPACKS)
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i f[4];  // 8 float32 bit patterns each, in the arranged order
+    for (int h = 0; h < 2; ++h) {
+      f[2 * h] = _mm256_unpacklo_epi16(zero, words[h]);
+      f[2 * h + 1] = _mm256_unpackhi_epi16(zero, words[h]);
+    }
 #if defined(TJ_ISA_AVX512)
-      const UNative low = load_byte_runs(g + 8 * v, g + 8 * v + 16);
-      const UNative code = load_byte_runs(g + 32 + 8 * v, g + 32 + 8 * v) >> UNative{0, 0, 0, 0, 0, 0, 0, 0,
-                                                                                    4, 4, 4, 4, 4, 4, 4, 4};
+    for (int v = 0; v < 2; ++v)
+      w[v] = (Native)_mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(f[2 * v]), f[2 * v + 1], 1));
 #else
-      const int e0 = int(compact_swap(v * kNativeLanes));
+    for (int v = 0; v < 4; ++v) w[v] = (Native)_mm256_castsi256_ps(f[v]);
+#endif
+#else  // AVX-512 BF16: the bfloat16 path's order
+    for (int v = 0; v < 2; ++v)
+      w[v] = (Native)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words[v]), 16));
+#endif
+#else
+    for (int v = 0; v < kChunkVectors; ++v) {
+      const int e0 = int(compact_element(v * kNativeLanes));
       const UNative low = load_bytes(g + e0);
       UNative code = load_bytes(g + 32 + (e0 & 15));
       if (e0 >= 16) code = code >> 4;
-#endif
       w[v] = (Native)((low << 16) | lookup16(code, high));
     }
+#endif
   }
 };
 
@@ -411,7 +477,7 @@ inline void decode_row(const PackedWeight& w, const float* table, int64_t n, flo
   for (int64_t k = done; k < K; ++k) dst[k] = decode_one(w, table, n, k);
   if (w.fmt == kCompactBf16)
     for (int32_t p = w.patch_index()[n]; p < w.patch_index()[n + 1]; ++p)
-      dst[compact_swap(w.patches[3 * p + 1])] = bits_to_float(uint32_t(w.patches[3 * p + 2]));
+      dst[compact_position(w.patches[3 * p + 1])] = bits_to_float(uint32_t(w.patches[3 * p + 2]));
 }
 
 // out[i, j] = dot(x[i], wd[j]) for RX x rows and RW decoded weight rows, accumulated in registers.

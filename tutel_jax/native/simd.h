@@ -117,15 +117,6 @@ TJ_INLINE UNative load_bytes(const uint8_t* p) {
 #endif
 }
 
-#if defined(TJ_ISA_AVX512)
-// 8 bytes at p0 (lanes 0-7) and 8 at p1 (lanes 8-15), one per lane.
-TJ_INLINE UNative load_byte_runs(const uint8_t* p0, const uint8_t* p1) {
-  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0));
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1));
-  return (UNative)_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(a, b));
-}
-#endif
-
 TJ_INLINE UNative load_words(const uint8_t* p) {  // 4 bytes per lane
   UNative v;
   std::memcpy(&v, p, sizeof(v));
