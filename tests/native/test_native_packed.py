@@ -208,24 +208,39 @@ def test_moe_kernel_errors():
 
 
 OTHER_ISAS = [isa for isa in build.cpu_isas() if isa != build.cpu_isas()[0]] if build.compiler() else []
+# (ISA, extra compiler flags): every other ISA this CPU runs, and AVX-512 without its BF16 dot products where the
+# CPU has them (the float32 path's compact bfloat16 decode differs there)
+VARIANTS = [(isa, "") for isa in OTHER_ISAS]
+if build.compiler() and build.cpu_isas()[0] == "avx512" and "avx512_bf16" in build._cpu_flags():
+    VARIANTS.append(("avx512", "-mno-avx512bf16"))
 
 
 @needs_compiler
-@pytest.mark.parametrize("isa", OTHER_ISAS)
-def test_every_isa_this_cpu_runs_matches_reference(tmp_path, isa):
+@pytest.mark.parametrize("isa,cxxflags", VARIANTS)
+def test_every_isa_this_cpu_runs_matches_reference(tmp_path, isa, cxxflags):
     """The kernels built for each other instruction set this CPU runs (TUTEL_JAX_NATIVE_ISA: AVX2 on an AVX-512
-    machine, the portable C++ everywhere), apart, on the same checks as the best one in this process (the decode
-    attention's too)."""
-    env = dict(os.environ, TUTEL_JAX_NATIVE_ISA=isa, TUTEL_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    machine, the portable C++ everywhere; TUTEL_JAX_NATIVE_CXXFLAGS: AVX-512 without BF16), apart, on the same
+    checks as the best one in this process (the decode attention's too)."""
+    env = dict(os.environ, TUTEL_JAX_NATIVE_ISA=isa, TUTEL_JAX_NATIVE_CXXFLAGS=cxxflags,
+               TUTEL_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     code = ("import sys; sys.path[:0] = ['tests/native', 'tests']; import test_native_packed as t; "
             "import test_native_q8 as q; import test_native_attention as a; from tutel_jax import native; "
+            "from tutel_jax.native import _build as b; "
             "t.check_kernels_against_reference(); q.check_q8_kernels(); a.check_attention_kernel(); "
-            "print('isa', native.isa())")
+            "print('isa', native.isa(), 'bf16', b.bf16_dot())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"isa {isa}" in done.stdout
+    assert f"isa {isa} bf16 {isa == 'avx512' and not cxxflags}" in done.stdout
     assert len(list((tmp_path / "cache").glob("*.so"))) == 3  # moe_cpu, dense_cpu, attention_cpu: built for this run
+
+
+def test_extra_compiler_flags_must_be_options(monkeypatch):
+    monkeypatch.setenv("TUTEL_JAX_NATIVE_CXXFLAGS", "-O2 rm")
+    with pytest.raises(build.NativeKernelError, match="TUTEL_JAX_NATIVE_CXXFLAGS: expected compiler options"):
+        build.extra_flags()
+    monkeypatch.setenv("TUTEL_JAX_NATIVE_CXXFLAGS", " -mno-avx512bf16  -DX=1 ")
+    assert build.extra_flags() == ("-mno-avx512bf16", "-DX=1")
 
 
 def test_cpu_isas_end_with_portable():

@@ -6,7 +6,8 @@ A kernel's shared library is built once per machine with the system C++ compiler
 runs, or the one `TUTEL_JAX_NATIVE_ISA` names (it must be one the CPU runs: tests force each in turn); the flags
 are `-O3 -march=native` (the library is built where it runs) narrowed to that ISA, with explicit `-m` flags as a
 second try for a compiler that does not know `-march=native`, and the source checks at compile time that the flags
-gave the ISA asked for. Libraries are cached under `$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else
+gave the ISA asked for. `TUTEL_JAX_NATIVE_CXXFLAGS` (space-separated options) adds to them: a variant of an ISA
+the CPU runs, e.g. `-mno-avx512bf16` for AVX-512 without its BF16 dot products (tests build it). Libraries are cached under `$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else
 `~/.cache/tutel_jax`), keyed by the source, the headers beside it (`*.h`), the flags, the compiler, the jaxlib
 version and the CPU (its model and feature flags: a home directory shared by different machines never hands one
 a library built for another's instruction set). The library is written to a temporary file and renamed into
@@ -126,9 +127,20 @@ def isa_in_effect() -> str:
     return asked
 
 
+def extra_flags() -> tuple[str, ...]:
+    """$TUTEL_JAX_NATIVE_CXXFLAGS split at whitespace: compiler options added to the ISA's (NativeKernelError for
+    a word that is not an option)."""
+    words = tuple(os.environ.get("TUTEL_JAX_NATIVE_CXXFLAGS", "").split())
+    bad = [w for w in words if not w.startswith("-")]
+    if bad:
+        raise NativeKernelError(f"TUTEL_JAX_NATIVE_CXXFLAGS: expected compiler options (each starting with '-'), "
+                                f"got {bad[0]!r}")
+    return words
+
+
 def _flag_sets(isa_name: str) -> tuple[tuple[str, ...], ...]:
     require = f"-DTUTEL_JAX_REQUIRE_ISA={ISAS.index(isa_name)}"
-    return tuple((*flags, require) for flags in _ISA_FLAGS[isa_name])
+    return tuple((*flags, *extra_flags(), require) for flags in _ISA_FLAGS[isa_name])
 
 
 def _library_path(source: Path, cxx: str, flag_sets: tuple[tuple[str, ...], ...]) -> Path:
