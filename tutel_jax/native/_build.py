@@ -1,17 +1,18 @@
 """Compile-on-first-use for the native CPU kernels (`*.cc` beside this file) and their XLA FFI registration.
 
 A kernel's shared library is built once per machine with the system C++ compiler (`$CXX`, else `c++`, `g++` or
-`clang++`) against the XLA FFI headers that jaxlib ships, for one instruction set (`ISAS`, see simd.h):
-`avx512`, `avx2` (AVX2 + FMA), `neon` (AArch64) or `portable` (C++ only). The ISA in effect is the best this CPU
-runs, or the one `TUTEL_JAX_NATIVE_ISA` names (it must be one the CPU runs: tests force each in turn); the flags
-are `-O3 -march=native` (the library is built where it runs) narrowed to that ISA, with explicit `-m` flags as a
-second try for a compiler that does not know `-march=native`, and the source checks at compile time that the flags
-gave the ISA asked for. `TUTEL_JAX_NATIVE_CXXFLAGS` (space-separated options) adds to them: a variant of an ISA
-the CPU runs, e.g. `-mno-avx512bf16` for AVX-512 without its BF16 dot products (tests build it). Libraries are cached under `$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else
-`~/.cache/tutel_jax`), keyed by the source, the headers beside it (`*.h`), the flags, the compiler, the jaxlib
-version and the CPU (its model and feature flags: a home directory shared by different machines never hands one
-a library built for another's instruction set). The library is written to a temporary file and renamed into
-place, so concurrent first uses (e.g. test workers) never load a half-written file.
+`clang++`) against the XLA FFI headers that jaxlib ships, for one instruction set (`ISAS`, see simd.h): `avx512`,
+`avx2` (AVX2 + FMA), `neon` (AArch64) or `portable` (C++ only). The ISA in effect is the best this CPU runs, or the
+one `TUTEL_JAX_NATIVE_ISA` names (it must be one the CPU runs: tests force each in turn); the flags are `-O3
+-march=native` (the library is built where it runs) narrowed to that ISA, with explicit `-m` flags as a second try
+for a compiler that does not know `-march=native`, and the source checks at compile time that the flags gave the
+ISA asked for. `TUTEL_JAX_NATIVE_CXXFLAGS` (space-separated options) adds to them: a variant of an ISA the CPU
+runs, e.g. `-mno-avx512bf16` for AVX-512 without its BF16 dot products (tests build it). Libraries are cached under
+`$TUTEL_JAX_CACHE` (default `$XDG_CACHE_HOME/tutel_jax`, else `~/.cache/tutel_jax`), keyed by the source, the
+headers beside it (`*.h`), the flags, the compiler, the jaxlib version and the CPU (its model and feature flags: a
+home directory shared by different machines never hands one a library built for another's instruction set). The
+library is written to a temporary file and renamed into place, so concurrent first uses (e.g. test workers) never
+load a half-written file.
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@
     CompactBf16.bfloat16() -> bfloat16 [N, K]    (the same, decoded by the native kernel on CPU: XLA's matmuls
                                                   for many rows, e.g. a prefill, take it)
 
-A decode step reads every weight of the attention projections and the lm_head once per token, so its speed is
-the memory's; a bfloat16 element spends 8 bits on its exponent, while the weights of a layer use about a dozen
-exponent values (entropy ~2.5 bits for trained or random-normal weights). Each element keeps the low byte of its
-bfloat16 code (the exponent's last bit and the 7 mantissa bits) and a 4-bit code for the high byte: its sign and
-one of 8 values of the exponent's other bits (slot 0: 0, which holds zeros and subnormals; then the 7 most frequent
-others), so 16 exponents are coded. The rare other elements (exponents outside the table, inf / NaN; ~0.01% of a
-normal weight) are patches, a list of (row, column, value) the kernels add after each row's dot products. The
-native dense kernel (`dense_cpu.cc`, layout in `packed_rows.h`) decodes the codes in registers with byte table
-lookups and unpacks (AVX-512 BF16: a few instructions per 32 elements, faster than memory): 3/4 of the bytes of the
+A decode step reads every weight of the attention projections and the lm_head once per token, so its speed is the
+memory's; a bfloat16 element spends 8 bits on its exponent, while the weights of a layer use about a dozen exponent
+values (entropy ~2.5 bits for trained or random-normal weights). Each element keeps the low byte of its bfloat16
+code (the exponent's last bit and the 7 mantissa bits) and a 4-bit code for the high byte: its sign and one of 8
+values of the exponent's other bits (slot 0: 0, which holds zeros and subnormals; then the 7 most frequent others),
+so 16 exponents are coded. The rare other elements (exponents outside the table, inf / NaN; ~0.03% of a normal
+weight) are patches, a list of (row, column, value) the kernels add after each row's dot products. The native dense
+kernel (`dense_cpu.cc`, layout in `packed_rows.h`) decodes the codes in registers with byte table lookups and
+unpacks (x86: a few instructions per 32 elements, faster than memory delivers them): 3/4 of the bytes of the
 bfloat16 weight per token, the same values, float32 sums.
 
 Layout (`CompactBf16`):
