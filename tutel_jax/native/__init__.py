@@ -1,8 +1,7 @@
 """Native CPU kernels (C++ through XLA FFI), compiled on first use for the instruction set in effect (`isa()`:
 AVX-512, AVX2, NEON or portable C++; `TUTEL_JAX_NATIVE_ISA` forces one): see `build`, `moe` (the routed experts
 of a MoE layer, float or packed), `dense` (a linear layer for a few rows; bfloat16 weights also in 12 bits,
-`compact_bf16`) and `attention` (one decode step of
-attention over a static KV cache)."""
+`compact_bf16`) and `attention` (one decode step of attention over a static KV cache)."""
 
 from ._build import NativeKernelError, isa, isa_in_effect
 from ._dense import compact_pays_off, dense, worth_it

@@ -148,10 +148,9 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
 constexpr int kWide = 128;  // FP4 elements per wide chunk (one 64-byte load)
 
 // Activations laid out for `fmt` (FP8 and float rows: x as it is; compact bfloat16: `compact_position`). FP4
-// rows are read in wide chunks of 128
-// elements: 16 lanes of 4 bytes, nibble j of lane l being element 8l + j, so x's wide chunk is laid out as
-// xa[16j + l] = x[8l + j]. The rest (K % 128) goes in chunks of 32 as [16 even, 16 odd elements], and what
-// remains after those (K % 32) keeps its order. x [K] -> xa [K].
+// rows are read in wide chunks of 128 elements: 16 lanes of 4 bytes, nibble j of lane l being element 8l + j, so
+// x's wide chunk is laid out as xa[16j + l] = x[8l + j]. The rest (K % 128) goes in chunks of 32 as [16 even, 16
+// odd elements], and what remains after those (K % 32) keeps its order. x [K] -> xa [K].
 inline void arrange(int fmt, const float* x, int64_t K, float* xa) {
   if (fmt == kCompactBf16) {  // K a multiple of 32
     for (int64_t k = 0; k < K; k += 4) std::memcpy(xa + compact_position(k), x + k, sizeof(float) * 4);
