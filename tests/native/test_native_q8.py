@@ -35,8 +35,10 @@ needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ com
 
 FP4 = ("mxfp4", "nvfp4", "nvfp4_mul")
 # K per format: a K tail of every kind (MXFP4 224 = 128 + 96; NVFP4 208 = 128 + 64 + 16: a half block of 32
-# activations at the end), and a longer row (2880, gpt-oss's width: 22 chunks of 128 and a 64-element tail)
-KS = {"mxfp4": (224, 2880), "nvfp4": (208, 2880), "nvfp4_mul": (208, 2880)}
+# activations at the end), and a longer row (2880, gpt-oss's width: 22 chunks of 128 and a 64-element tail);
+# MXFP4 also one block (32) and whole groups of scales and one block more (544 = 512 + 32 on AVX-512, 4 x 128 +
+# 32 on AVX2: `mxfp4_q8_dots` reads a register of scale codes per 4 registers of codes)
+KS = {"mxfp4": (224, 2880, 32, 544), "nvfp4": (208, 2880), "nvfp4_mul": (208, 2880)}
 #: the quantization's own error on these small layers, (max, rms) of |int8 - exact| / rms(exact): one matmul
 #: (measured at most 2.6e-2, 7.8e-3: a block of outliers in the row), and a MoE layer's two (measured at most
 #: 6.8e-2, 1.2e-2: the GLU output is quantized again); the real-size figure is in `native.moe_experts`

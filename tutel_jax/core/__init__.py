@@ -1,16 +1,17 @@
 """What every MoE layer builds on: the platform a program is compiled for and the kernel resolver (`backends`),
 shard_map varying-axis types (`vma`), per-call switches (`call_options`), the per-device routing context
-(`token_group`), the auxiliary losses (`losses`) and the host: 64-byte aligned arrays, usable CPUs (`host_memory`)."""
+(`token_group`), the auxiliary losses (`losses`) and the host: 64-byte aligned arrays (large ones on huge pages),
+usable CPUs (`host_memory`)."""
 
 from ._backends import KERNEL_BACKENDS, PLATFORMS, check_kernel_backend, kernels, platform, use_kernels
 from ._call_options import DROPLESS_EXCHANGES, CallOptions
 from ._losses import (gshard_loss, load_importance_loss, router_z_loss, sequence_aux_loss, switch_load_loss,
                       update_correction_bias)
 from ._token_group import LOCAL, TokenGroup
-from ._host_memory import empty_aligned, usable_cpus
+from ._host_memory import collapse_to_huge_pages, empty_aligned, usable_cpus
 from ._vma import summed_like, varying, varying_like
 
-__all__ = ["empty_aligned", "router_z_loss", "sequence_aux_loss", "summed_like", "switch_load_loss",
+__all__ = ["collapse_to_huge_pages", "empty_aligned", "router_z_loss", "sequence_aux_loss", "summed_like", "switch_load_loss",
            "update_correction_bias", "usable_cpus", "varying", "varying_like", "KERNEL_BACKENDS", "PLATFORMS",
            "check_kernel_backend", "kernels", "platform", "use_kernels", "CallOptions", "DROPLESS_EXCHANGES",
            "TokenGroup", "LOCAL", "gshard_loss", "load_importance_loss"]

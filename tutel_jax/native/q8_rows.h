@@ -8,11 +8,12 @@
 // over the weight's blocks j (32 elements for MXFP4, 16 for NVFP4), where q = round(x / sa) per activation block
 // of 32 (sa = max |x| / 127: llama.cpp's Q8_0), sh_j = sa / 2 of the activation block holding weight block j,
 // o_j = -12 sh_j sum_{k in j} q_k (the offset, per activation row), and sw_j the weight's block scale (E8M0, or
-// NVFP4's e4m3 with its global scale). Per weight row the products sw_j sh_j and the offset sum are computed once
-// per activation row (a few registers), so that each register of codes costs two lookups, two dot products and
-// one scaled accumulate per activation row, reading only the codes and the int8 activations. The weights are
-// exact; the error is the activations' rounding (at most sa / 2 per element), summed in int32 exactly within a
-// lane and block.
+// NVFP4's e4m3 with its global scale). MXFP4 decodes its E8M0 scales in the dot loop, one register of them per
+// four registers of codes (`mxfp4_q8_dots`); NVFP4 computes the products sw_j sh_j and the offset sum per weight
+// row before its dots (`fp4_q8_dots`). Either way each register of codes costs two lookups, two dot products
+// and one scaled accumulate per activation row, reading only the codes, the scales and the int8 activations.
+// The weights are exact; the error is the activations' rounding (at most sa / 2 per element), summed in int32
+// exactly within a lane and block.
 //
 // An activation row is quantized once per call (`quantize_q8`, for the weight's block size) into chunks of one
 // register of packed bytes (kQBytes = 4 x kNativeLanes bytes of codes, 2 kQBytes elements): the kQBytes even
@@ -141,6 +142,136 @@ inline void fp4_q8_dots(const uint8_t* codes, int64_t bytes, bool overread, cons
   for (int r = 0; r < R; ++r) sums[r] = reduce_add(f[r]);
 }
 
+// MXFP4 blocks per register of codes (a block of 32 codes is 16 bytes: 4 int32 lanes of the dot products), and
+// registers of codes per register of block scales (a group: kNativeLanes blocks).
+constexpr int kMxfp4PerChunk = kNativeLanes / 4;
+constexpr int kChunksPerGroup = 4;
+
+// Lane l of chunk k's register: v[k * kMxfp4PerChunk + l / 4] (the block of lane l), k < kChunksPerGroup.
+template <int k>
+TJ_INLINE Native spread_group(Native v) {
+#if defined(TJ_ISA_AVX512) || defined(TJ_ISA_AVX2)
+  UNative index;
+  for (int l = 0; l < kNativeLanes; ++l) index[l] = uint32_t(k * kMxfp4PerChunk + l / 4);  // a constant
+#if defined(TJ_ISA_AVX512)
+  return _mm512_permutexvar_ps((__m512i)index, v);
+#else
+  return _mm256_permutevar8x32_ps(v, (__m256i)index);
+#endif
+#else
+  Native r;
+  for (int l = 0; l < kNativeLanes; ++l) r[l] = v[k * kMxfp4PerChunk + l / 4];
+  return r;
+#endif
+}
+
+// The last, partial group of an MXFP4 row where reading it whole would pass the weight's end: its codes, zero-
+// padded to whole registers, then its scales, into dst [kChunksPerGroup * kQBytes + kNativeLanes].
+__attribute__((noinline)) inline void copy_partial_group(const uint8_t* codes, int64_t bytes, const uint8_t* scales,
+                                                         int64_t blocks, uint8_t* dst) {
+  std::memset(dst, 0, size_t(kChunksPerGroup * kQBytes + kNativeLanes));
+  std::memcpy(dst, codes, size_t(bytes));
+  std::memcpy(dst + kChunksPerGroup * kQBytes, scales, size_t(blocks));
+}
+
+// One MXFP4 row (`bytes` of codes, its E8M0 scales) times R activation rows quantized by quantize_q8 for blocks
+// of 32 (xq, stride ldq; sh and o after the chunks at float offset `off`): the whole dot, offset included, into
+// sums[r]. The scales are decoded in the loop, a register of them per group of kChunksPerGroup registers of
+// codes (sw * sh per block, spread over its lanes by one permute per chunk; sum_j sw_j o_j in its own
+// accumulator), so that a row needs no pass over its scales before its dots: with one activation row that pass
+// cost a fifth of the row's time. rows_left: this row and the weight's rows after it (the last group is read
+// whole where they hold it: their codes meet zero activations, their scales are masked off).
+template <int R>
+inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t bytes, int64_t rows_left,
+                          const uint8_t* xq, int64_t ldq, int64_t off, float* sums) {
+  constexpr int64_t kGroupBytes = kChunksPerGroup * kQBytes;
+  const int64_t nb = q8_blocks(2 * bytes, 32), count = bytes / 16;  // o after sh; scales per row
+  Native f[R], corr[R], prod[R];
+  for (int r = 0; r < R; ++r) f[r] = corr[r] = Native{};
+  auto step = [&](const uint8_t* p, int64_t c, auto k) TJ_INLINE_LAMBDA {
+    const QNative b = load_q(p);
+    const QNative lo = lookup16(kE2M1Q, b & 15), hi = lookup16(kE2M1Q, b >> 4);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* chunk = xq + r * ldq + c * kQChunkBytes;
+      const INative acc = dot4(dot4(INative{}, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
+      f[r] += __builtin_convertvector(acc, Native) * spread_group<decltype(k)::value>(prod[r]);
+    }
+  };
+  // a group's scale codes: sw * sh per block for every activation row, and the offset sums
+  auto scale_group = [&](UNative codes8, int64_t g) TJ_INLINE_LAMBDA {
+    const Native sw = e8m0(codes8);
+    for (int r = 0; r < R; ++r) {
+      const float* sh = reinterpret_cast<const float*>(xq + r * ldq) + off + g * kNativeLanes;
+      prod[r] = sw * load(sh);
+      corr[r] += sw * load(sh + nb);
+    }
+  };
+  using K0 = std::integral_constant<int, 0>;
+  using K1 = std::integral_constant<int, 1>;
+  using K2 = std::integral_constant<int, 2>;
+  using K3 = std::integral_constant<int, 3>;
+  static_assert(kChunksPerGroup == 4, "the unrolled group below");
+  const int64_t groups = bytes / kGroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = codes + g * kGroupBytes;
+    const int64_t c = g * kChunksPerGroup;
+    scale_group(load_bytes(scales + g * kNativeLanes), g);
+    prefetch_stream(p);
+    step(p, c, K0{});
+    prefetch_stream(p + kQBytes);
+    step(p + kQBytes, c + 1, K1{});
+    prefetch_stream(p + 2 * kQBytes);
+    step(p + 2 * kQBytes, c + 2, K2{});
+    prefetch_stream(p + 3 * kQBytes);
+    step(p + 3 * kQBytes, c + 3, K3{});
+  }
+  const int64_t rest = bytes - groups * kGroupBytes;
+  if (rest > 0) {  // the last, partial group
+    const int64_t chunks = (rest + kQBytes - 1) / kQBytes, blocks = rest / 16;
+    const uint8_t* p = codes + groups * kGroupBytes;
+    const uint8_t* s = scales + groups * kNativeLanes;
+    alignas(64) uint8_t copy[kGroupBytes + kNativeLanes];
+    if (groups * kGroupBytes + chunks * kQBytes > rows_left * bytes ||
+        groups * kNativeLanes + kNativeLanes > rows_left * count) {  // past the weight's end: a zero-padded copy
+      copy_partial_group(p, rest, s, blocks, copy);
+      p = copy;
+      s = copy + kGroupBytes;
+    }
+    UNative lane;
+    for (int l = 0; l < kNativeLanes; ++l) lane[l] = uint32_t(l);
+    // scale codes past the row as 0 (2^-127: finite, times their zero sh and o)
+    scale_group(load_bytes(s) & (UNative)(lane < splat_u(uint32_t(blocks))), groups);
+    const int64_t c = groups * kChunksPerGroup;
+    step(p, c, K0{});
+    if (chunks > 1) step(p + kQBytes, c + 1, K1{});
+    if (chunks > 2) step(p + 2 * kQBytes, c + 2, K2{});
+    if (chunks > 3) step(p + 3 * kQBytes, c + 3, K3{});
+  }
+  for (int r = 0; r < R; ++r) sums[r] = reduce_add(f[r] + corr[r]);
+}
+
+// fp4_q8_rows for MXFP4 (mxfp4_q8_dots: no pass over a row's scales before its dots).
+inline void mxfp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
+                          float* out, int64_t ldo) {
+  const int64_t bytes = w.K / 2, count = w.scales_per_row();
+  const int64_t off = q8_chunks(w.K) * kQChunkBytes / int64_t(sizeof(float));  // sh, o: floats after the chunks
+  for (int r0 = 0; r0 < R; r0 += kMaxRows) {
+    const uint8_t* xp = xq + r0 * ldq;
+    float* op = out + r0 * ldo;
+    with_row_count(std::min(kMaxRows, R - r0), [&](auto row_count) {
+      constexpr int kR = decltype(row_count)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * count;  // the thinner stream, 8 rows ahead
+        __builtin_prefetch(ahead, 0, 3);
+        __builtin_prefetch(ahead + 64, 0, 3);
+        float sums[kR];
+        mxfp4_q8_dots<kR>(w.data + n * bytes, w.scale + n * count, bytes, w.N - n, xp, ldq, off, sums);
+        for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r];
+      }
+    });
+  }
+}
+
 // The block scales of row n as floats into dst (zero-padded to whole chunks plus a register): E8M0 2^(s-127), or
 // NVFP4's as `scale_table` gives them.
 inline void row_scales(const PackedWeight& w, const float* table, int64_t n, float* dst, int64_t padded) {
@@ -161,6 +292,7 @@ inline void row_scales(const PackedWeight& w, const float* table, int64_t n, flo
 // weight rows, which the first pass leaves in cache (a work item's rows: 64 x K/2 bytes).
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
+  if (w.fmt == kMxfp4) return mxfp4_q8_rows(w, xq, R, ldq, n0, n1, out, ldo);
   float table[256];
   scale_table(w, table);
   const int64_t nb = q8_blocks(w.K, fp4_block(w.fmt)), used = nb - kNativeLanes, bytes = w.K / 2;
@@ -190,10 +322,7 @@ inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t
         }
         const uint8_t* codes = w.data + n * bytes;
         const bool overread = n + 1 < w.N;
-        if (w.fmt == kMxfp4)
-          fp4_q8_dots<kR, 4>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
-        else
-          fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
+        fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);  // NVFP4 (MXFP4 above)
         for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r] + corr[r];
       }
     });
