@@ -147,23 +147,6 @@ inline void fp4_q8_dots(const uint8_t* codes, int64_t bytes, bool overread, cons
 constexpr int kMxfp4PerChunk = kNativeLanes / 4;
 constexpr int kChunksPerGroup = 4;
 
-// Lane l of chunk k's register: v[k * kMxfp4PerChunk + l / 4] (the block of lane l), k < kChunksPerGroup.
-template <int k>
-TJ_INLINE Native spread_group(Native v) {
-#if defined(TJ_ISA_AVX512) || defined(TJ_ISA_AVX2)
-  UNative index;
-  for (int l = 0; l < kNativeLanes; ++l) index[l] = uint32_t(k * kMxfp4PerChunk + l / 4);  // a constant
-#if defined(TJ_ISA_AVX512)
-  return _mm512_permutexvar_ps((__m512i)index, v);
-#else
-  return _mm256_permutevar8x32_ps(v, (__m256i)index);
-#endif
-#else
-  Native r;
-  for (int l = 0; l < kNativeLanes; ++l) r[l] = v[k * kMxfp4PerChunk + l / 4];
-  return r;
-#endif
-}
 
 // The last, partial group of an MXFP4 row where reading it whole would pass the weight's end: its codes, zero-
 // padded to whole registers, then its scales, into dst [kChunksPerGroup * kQBytes + kNativeLanes].
@@ -177,9 +160,9 @@ __attribute__((noinline)) inline void copy_partial_group(const uint8_t* codes, i
 // One MXFP4 row (`bytes` of codes, its E8M0 scales) times R activation rows quantized by quantize_q8 for blocks
 // of 32 (xq, stride ldq; sh and o after the chunks at float offset `off`): the whole dot, offset included, into
 // sums[r]. The scales are decoded in the loop, a register of them per group of kChunksPerGroup registers of
-// codes (sw * sh per block, spread over its lanes by one permute per chunk; sum_j sw_j o_j in its own
-// accumulator), so that a row needs no pass over its scales before its dots: with one activation row that pass
-// cost a fifth of the row's time. rows_left: this row and the weight's rows after it (the last group is read
+// codes (sw * sh per block, spread over its lanes by one permute per chunk, `spread_lanes`; sum_j sw_j o_j in
+// its own accumulator), so that a row needs no pass over its scales before its dots: with one activation row
+// that pass cost a tenth of the row's time. rows_left: this row and the weight's rows after it (the last group is read
 // whole where they hold it: their codes meet zero activations, their scales are masked off).
 template <int R>
 inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t bytes, int64_t rows_left,
@@ -194,7 +177,7 @@ inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t b
     for (int r = 0; r < R; ++r) {
       const uint8_t* chunk = xq + r * ldq + c * kQChunkBytes;
       const INative acc = dot4(dot4(INative{}, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
-      f[r] += __builtin_convertvector(acc, Native) * spread_group<decltype(k)::value>(prod[r]);
+      f[r] += __builtin_convertvector(acc, Native) * spread_lanes<4, decltype(k)::value * kMxfp4PerChunk>(prod[r]);
     }
   };
   // a group's scale codes: sw * sh per block for every activation row, and the offset sums

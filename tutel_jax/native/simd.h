@@ -283,15 +283,14 @@ TJ_INLINE Native e4m3_bytes_2m8(const uint8_t* p) {
 #endif
 }
 
-// Lane l = s[l / LPB]: a scale per block of LPB lanes, from kNativeLanes / LPB floats (s is read a whole
-// register wide: kNativeLanes floats must be readable).
-template <int LPB>
-TJ_INLINE Native spread_blocks(const float* s) {
-  static_assert(LPB >= 1 && kNativeLanes % LPB == 0, "whole blocks per register");
-  const Native v = load(s);
+// Lane l = v[first + l / LPB]: a value per block of LPB lanes, from a register (one permute on x86).
+template <int LPB, int first = 0>
+TJ_INLINE Native spread_lanes(Native v) {
+  static_assert(LPB >= 1 && kNativeLanes % LPB == 0 && first + (kNativeLanes - 1) / LPB < kNativeLanes,
+                "whole blocks of lanes from within the register");
 #if defined(TJ_ISA_AVX512) || defined(TJ_ISA_AVX2)
   UNative index;
-  for (int l = 0; l < kNativeLanes; ++l) index[l] = uint32_t(l / LPB);  // a constant after inlining
+  for (int l = 0; l < kNativeLanes; ++l) index[l] = uint32_t(first + l / LPB);  // a constant after inlining
 #if defined(TJ_ISA_AVX512)
   return _mm512_permutexvar_ps((__m512i)index, v);
 #else
@@ -299,9 +298,16 @@ TJ_INLINE Native spread_blocks(const float* s) {
 #endif
 #else
   Native r;
-  for (int l = 0; l < kNativeLanes; ++l) r[l] = v[l / LPB];
+  for (int l = 0; l < kNativeLanes; ++l) r[l] = v[first + l / LPB];
   return r;
 #endif
+}
+
+// Lane l = s[l / LPB]: a scale per block of LPB lanes, from kNativeLanes / LPB floats (s is read a whole
+// register wide: kNativeLanes floats must be readable).
+template <int LPB>
+TJ_INLINE Native spread_blocks(const float* s) {
+  return spread_lanes<LPB>(load(s));
 }
 
 // ---- int8 dot products (q8_rows.h): one register of bytes and one of int32 lanes.
