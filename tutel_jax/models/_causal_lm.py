@@ -141,6 +141,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     default: where the native dense kernel runs them, i.e. a bfloat16 model on CPU, no mesh, dense_impl 'auto' or
     'native', and an x86 build, which decodes the codes faster than memory delivers them,
     `native.compact_pays_off`).
+    The loaded weights of 4 MiB and more are moved onto 2 MiB pages where the kernel can
+    (`core.collapse_to_huge_pages`, Linux): a decode step streams them all, and a core reads huge pages faster.
     `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
     per-layer progress bar (None: when stderr is a terminal). Errors (ValueError naming the file or tensor;
     nothing partial is returned): unknown model_type, missing config.json / shard / tensor, bad safetensors
