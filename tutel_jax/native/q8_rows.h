@@ -111,23 +111,43 @@ inline void quantize_q8(const float* x, int64_t K, int64_t block, uint8_t* dst) 
 // 2 x E2M1(c) + kQOffset for the 16 codes.
 alignas(16) constexpr uint8_t kE2M1Q[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-// One FP4 row (`bytes` of codes) times R quantized activation rows (xq, stride ldq bytes): the scaled sums
-// without the offset into sums[r]. LPB: int32 lanes per weight block (MXFP4: 16 bytes of codes, 4 lanes; NVFP4:
-// 8 bytes, 2 lanes); prod: R arrays (stride nb) of sw_j * sh_j. overread: whether a partial last chunk may be
-// read past the row (the next row of the same weight: its activations are zero).
-template <int R, int LPB>
+// A register of FP4 codes at p as table bytes (kE2M1Q): its low nibbles' (the even elements) and its high
+// nibbles' (the odd ones).
+struct Fp4Bytes {
+  QNative lo, hi;
+};
+TJ_INLINE Fp4Bytes fp4_bytes(const uint8_t* p) {
+  const QNative b = load_q(p);
+  return {lookup16(kE2M1Q, b & 15), lookup16(kE2M1Q, b >> 4)};
+}
+
+// Their int32 dot with one chunk of a quantized activation row (its even elements, then its odd ones), per lane.
+TJ_INLINE Native fp4_chunk_dot(const Fp4Bytes& w, const uint8_t* chunk) {
+  return __builtin_convertvector(dot4(dot4(INative{}, w.lo, load_q(chunk)), w.hi, load_q(chunk + kQBytes)), Native);
+}
+
+// The block scales are a second, thinner stream (K/32 or K/16 bytes a row): row n asks for row n + 8's.
+inline void prefetch_scales_ahead(const PackedWeight& w, int64_t n) {
+  const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * w.scales_per_row();
+  __builtin_prefetch(ahead, 0, 3);
+  __builtin_prefetch(ahead + 64, 0, 3);
+}
+
+// One NVFP4 row (`bytes` of codes) times R quantized activation rows (xq, stride ldq bytes): the scaled sums
+// without the offset into sums[r]; prod: R arrays (stride nb) of sw_j * sh_j (a weight block of 16 codes is 8
+// bytes: 2 int32 lanes). overread: whether a partial last chunk may be read past the row (the next row of the
+// same weight: its activations are zero).
+template <int R>
 inline void fp4_q8_dots(const uint8_t* codes, int64_t bytes, bool overread, const float* prod, int64_t nb,
                         const uint8_t* xq, int64_t ldq, float* sums) {
+  constexpr int kLanesPerBlock = 2;
   Native f[R];
   for (int r = 0; r < R; ++r) f[r] = Native{};
   auto step = [&](const uint8_t* p, int64_t c) TJ_INLINE_LAMBDA {
-    const QNative b = load_q(p);
-    const QNative lo = lookup16(kE2M1Q, b & 15), hi = lookup16(kE2M1Q, b >> 4);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* chunk = xq + r * ldq + c * kQChunkBytes;
-      const INative acc = dot4(dot4(INative{}, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
-      f[r] += __builtin_convertvector(acc, Native) * spread_blocks<LPB>(prod + r * nb + c * (kNativeLanes / LPB));
-    }
+    const Fp4Bytes w = fp4_bytes(p);
+    for (int r = 0; r < R; ++r)
+      f[r] += fp4_chunk_dot(w, xq + r * ldq + c * kQChunkBytes) *
+              spread_blocks<kLanesPerBlock>(prod + r * nb + c * (kNativeLanes / kLanesPerBlock));
   };
   const int64_t full = overread ? (bytes + kQBytes - 1) / kQBytes : bytes / kQBytes;
   for (int64_t c = 0; c < full; ++c) {
@@ -147,7 +167,6 @@ inline void fp4_q8_dots(const uint8_t* codes, int64_t bytes, bool overread, cons
 constexpr int kMxfp4PerChunk = kNativeLanes / 4;
 constexpr int kChunksPerGroup = 4;
 
-
 // The last, partial group of an MXFP4 row where reading it whole would pass the weight's end: its codes, zero-
 // padded to whole registers, then its scales, into dst [kChunksPerGroup * kQBytes + kNativeLanes].
 __attribute__((noinline)) inline void copy_partial_group(const uint8_t* codes, int64_t bytes, const uint8_t* scales,
@@ -162,8 +181,8 @@ __attribute__((noinline)) inline void copy_partial_group(const uint8_t* codes, i
 // sums[r]. The scales are decoded in the loop, a register of them per group of kChunksPerGroup registers of
 // codes (sw * sh per block, spread over its lanes by one permute per chunk, `spread_lanes`; sum_j sw_j o_j in
 // its own accumulator), so that a row needs no pass over its scales before its dots: with one activation row
-// that pass cost a tenth of the row's time. rows_left: this row and the weight's rows after it (the last group is read
-// whole where they hold it: their codes meet zero activations, their scales are masked off).
+// that pass cost a tenth of the row's time. rows_left: this row and the weight's rows after it (the last group
+// is read whole where they hold it: their codes meet zero activations, their scales are masked off).
 template <int R>
 inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t bytes, int64_t rows_left,
                           const uint8_t* xq, int64_t ldq, int64_t off, float* sums) {
@@ -172,13 +191,10 @@ inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t b
   Native f[R], corr[R], prod[R];
   for (int r = 0; r < R; ++r) f[r] = corr[r] = Native{};
   auto step = [&](const uint8_t* p, int64_t c, auto k) TJ_INLINE_LAMBDA {
-    const QNative b = load_q(p);
-    const QNative lo = lookup16(kE2M1Q, b & 15), hi = lookup16(kE2M1Q, b >> 4);
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* chunk = xq + r * ldq + c * kQChunkBytes;
-      const INative acc = dot4(dot4(INative{}, lo, load_q(chunk)), hi, load_q(chunk + kQBytes));
-      f[r] += __builtin_convertvector(acc, Native) * spread_lanes<4, decltype(k)::value * kMxfp4PerChunk>(prod[r]);
-    }
+    const Fp4Bytes w = fp4_bytes(p);
+    for (int r = 0; r < R; ++r)
+      f[r] += fp4_chunk_dot(w, xq + r * ldq + c * kQChunkBytes) *
+              spread_lanes<4, decltype(k)::value * kMxfp4PerChunk>(prod[r]);
   };
   // a group's scale codes: sw * sh per block for every activation row, and the offset sums
   auto scale_group = [&](UNative codes8, int64_t g) TJ_INLINE_LAMBDA {
@@ -244,30 +260,13 @@ inline void mxfp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64
     with_row_count(std::min(kMaxRows, R - r0), [&](auto row_count) {
       constexpr int kR = decltype(row_count)::value;
       for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * count;  // the thinner stream, 8 rows ahead
-        __builtin_prefetch(ahead, 0, 3);
-        __builtin_prefetch(ahead + 64, 0, 3);
+        prefetch_scales_ahead(w, n);
         float sums[kR];
         mxfp4_q8_dots<kR>(w.data + n * bytes, w.scale + n * count, bytes, w.N - n, xp, ldq, off, sums);
         for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r];
       }
     });
   }
-}
-
-// The block scales of row n as floats into dst (zero-padded to whole chunks plus a register): E8M0 2^(s-127), or
-// NVFP4's as `scale_table` gives them.
-inline void row_scales(const PackedWeight& w, const float* table, int64_t n, float* dst, int64_t padded) {
-  const int64_t count = w.scales_per_row();
-  const uint8_t* s = w.scale + n * count;
-  if (is_nv(w.fmt)) {
-    nv_decode_scales(s, count, w.global, w.fmt == kNvfp4Mul, table, dst);
-  } else {
-    int64_t i = 0;
-    for (; i + kNativeLanes <= count; i += kNativeLanes) store(dst + i, e8m0(load_bytes(s + i)));
-    for (; i < count; ++i) dst[i] = table[s[i]];
-  }
-  std::fill(dst + count, dst + padded, 0.0f);
 }
 
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R rows quantized by quantize_q8 for its block
@@ -278,20 +277,18 @@ inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t
   if (w.fmt == kMxfp4) return mxfp4_q8_rows(w, xq, R, ldq, n0, n1, out, ldo);
   float table[256];
   scale_table(w, table);
-  const int64_t nb = q8_blocks(w.K, fp4_block(w.fmt)), used = nb - kNativeLanes, bytes = w.K / 2;
+  const int64_t nb = q8_blocks(w.K, 16), used = nb - kNativeLanes, bytes = w.K / 2, count = w.scales_per_row();
   const int64_t off = q8_chunks(w.K) * kQChunkBytes;  // the floats after a quantized row's chunks
-  std::vector<float> sw(static_cast<size_t>(nb)), prod(static_cast<size_t>(kMaxRows * nb), 0.0f);
+  // sw: zero past the row's blocks (the products there meet zero sh and o)
+  std::vector<float> sw(static_cast<size_t>(nb), 0.0f), prod(static_cast<size_t>(kMaxRows * nb), 0.0f);
   for (int r0 = 0; r0 < R; r0 += kMaxRows) {  // a register pass of activation rows at a time
     const uint8_t* xp = xq + r0 * ldq;
     float* op = out + r0 * ldo;
     with_row_count(std::min(kMaxRows, R - r0), [&](auto rows) {
       constexpr int kR = decltype(rows)::value;
       for (int64_t n = n0; n < n1; ++n) {
-        // the block scales are a second, thinner stream (K/32 or K/16 bytes a row): asked for 8 rows ahead
-        const uint8_t* ahead = w.scale + std::min(n + 8, w.N - 1) * w.scales_per_row();
-        __builtin_prefetch(ahead, 0, 3);
-        __builtin_prefetch(ahead + 64, 0, 3);
-        row_scales(w, table, n, sw.data(), nb);
+        prefetch_scales_ahead(w, n);
+        nv_decode_scales(w.scale + n * count, count, w.global, w.fmt == kNvfp4Mul, table, sw.data());
         float corr[kR], sums[kR];
         for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
           const float* sh = reinterpret_cast<const float*>(xp + r * ldq + off);
@@ -305,7 +302,7 @@ inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t
         }
         const uint8_t* codes = w.data + n * bytes;
         const bool overread = n + 1 < w.N;
-        fp4_q8_dots<kR, 2>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);  // NVFP4 (MXFP4 above)
+        fp4_q8_dots<kR>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
         for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r] + corr[r];
       }
     });
