@@ -249,20 +249,22 @@ inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t b
   for (int r = 0; r < R; ++r) sums[r] = reduce_add(f[r] + corr[r]);
 }
 
-// fp4_q8_rows for MXFP4 (mxfp4_q8_dots: no pass over a row's scales before its dots).
-inline void mxfp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
-                          float* out, int64_t ldo) {
-  const int64_t bytes = w.K / 2, count = w.scales_per_row();
-  const int64_t off = q8_chunks(w.K) * kQChunkBytes / int64_t(sizeof(float));  // sh, o: floats after the chunks
+// out[r, n - n0] = sums[r] of dots(rows, n, xp, sums) for each weight row n in [n0, n1) and each register pass
+// of activation rows (xp: its first row; `rows` a std::integral_constant: kMaxRows, the last pass fewer). More
+// rows than a register pass (a prefill) go a pass at a time over the same weight rows, which the first pass
+// leaves in cache (a work item's rows: 64 x K/2 bytes).
+template <typename Dots>
+inline void q8_register_passes(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
+                               float* out, int64_t ldo, Dots dots) {
   for (int r0 = 0; r0 < R; r0 += kMaxRows) {
     const uint8_t* xp = xq + r0 * ldq;
     float* op = out + r0 * ldo;
-    with_row_count(std::min(kMaxRows, R - r0), [&](auto row_count) {
-      constexpr int kR = decltype(row_count)::value;
+    with_row_count(std::min(kMaxRows, R - r0), [&](auto rows) {
+      constexpr int kR = decltype(rows)::value;
       for (int64_t n = n0; n < n1; ++n) {
         prefetch_scales_ahead(w, n);
         float sums[kR];
-        mxfp4_q8_dots<kR>(w.data + n * bytes, w.scale + n * count, bytes, w.N - n, xp, ldq, off, sums);
+        dots(rows, n, xp, sums);
         for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r];
       }
     });
@@ -270,43 +272,42 @@ inline void mxfp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64
 }
 
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R rows quantized by quantize_q8 for its block
-// size (xq, row stride ldq bytes). More rows than a register pass (a prefill) go kMaxRows at a time over the same
-// weight rows, which the first pass leaves in cache (a work item's rows: 64 x K/2 bytes).
+// size (xq, row stride ldq bytes). MXFP4: `mxfp4_q8_dots` (the scales decoded in the loop); NVFP4: its scales
+// decoded per weight row, then `fp4_q8_dots`.
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
-  if (w.fmt == kMxfp4) return mxfp4_q8_rows(w, xq, R, ldq, n0, n1, out, ldo);
+  const int64_t bytes = w.K / 2, count = w.scales_per_row();
+  if (w.fmt == kMxfp4) {
+    const int64_t off = q8_chunks(w.K) * kQChunkBytes / int64_t(sizeof(float));  // sh, o: floats after the chunks
+    q8_register_passes(w, xq, R, ldq, n0, n1, out, ldo, [&](auto rows, int64_t n, const uint8_t* xp, float* sums) {
+      mxfp4_q8_dots<decltype(rows)::value>(w.data + n * bytes, w.scale + n * count, bytes, w.N - n, xp, ldq, off,
+                                           sums);
+    });
+    return;
+  }
   float table[256];
   scale_table(w, table);
-  const int64_t nb = q8_blocks(w.K, 16), used = nb - kNativeLanes, bytes = w.K / 2, count = w.scales_per_row();
+  const int64_t nb = q8_blocks(w.K, 16), used = nb - kNativeLanes;
   const int64_t off = q8_chunks(w.K) * kQChunkBytes;  // the floats after a quantized row's chunks
   // sw: zero past the row's blocks (the products there meet zero sh and o)
   std::vector<float> sw(static_cast<size_t>(nb), 0.0f), prod(static_cast<size_t>(kMaxRows * nb), 0.0f);
-  for (int r0 = 0; r0 < R; r0 += kMaxRows) {  // a register pass of activation rows at a time
-    const uint8_t* xp = xq + r0 * ldq;
-    float* op = out + r0 * ldo;
-    with_row_count(std::min(kMaxRows, R - r0), [&](auto rows) {
-      constexpr int kR = decltype(rows)::value;
-      for (int64_t n = n0; n < n1; ++n) {
-        prefetch_scales_ahead(w, n);
-        nv_decode_scales(w.scale + n * count, count, w.global, w.fmt == kNvfp4Mul, table, sw.data());
-        float corr[kR], sums[kR];
-        for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
-          const float* sh = reinterpret_cast<const float*>(xp + r * ldq + off);
-          Native c{};
-          for (int64_t j = 0; j < used; j += kNativeLanes) {
-            const Native v = load(sw.data() + j);
-            store(prod.data() + r * nb + j, v * load(sh + j));
-            c += v * load(sh + nb + j);
-          }
-          corr[r] = reduce_add(c);
-        }
-        const uint8_t* codes = w.data + n * bytes;
-        const bool overread = n + 1 < w.N;
-        fp4_q8_dots<kR>(codes, bytes, overread, prod.data(), nb, xp, ldq, sums);
-        for (int r = 0; r < kR; ++r) op[r * ldo + (n - n0)] = sums[r] + corr[r];
+  q8_register_passes(w, xq, R, ldq, n0, n1, out, ldo, [&](auto rows, int64_t n, const uint8_t* xp, float* sums) {
+    constexpr int kR = decltype(rows)::value;
+    nv_decode_scales(w.scale + n * count, count, w.global, w.fmt == kNvfp4Mul, table, sw.data());
+    float corr[kR];
+    for (int r = 0; r < kR; ++r) {  // sw * sh per block, and the offset sum_j sw_j o_j
+      const float* sh = reinterpret_cast<const float*>(xp + r * ldq + off);
+      Native c{};
+      for (int64_t j = 0; j < used; j += kNativeLanes) {
+        const Native v = load(sw.data() + j);
+        store(prod.data() + r * nb + j, v * load(sh + j));
+        c += v * load(sh + nb + j);
       }
-    });
-  }
+      corr[r] = reduce_add(c);
+    }
+    fp4_q8_dots<kR>(w.data + n * bytes, bytes, n + 1 < w.N, prod.data(), nb, xp, ldq, sums);
+    for (int r = 0; r < kR; ++r) sums[r] += corr[r];
+  });
 }
 
 }  // namespace tj
