@@ -90,7 +90,7 @@ def test_kernel_matches_float64_with_bfloat16_and_float32_rows():
     w[np.isnan(w.astype(np.float32)) | np.isinf(w.astype(np.float32))] = 1.5  # finite products to compare
     c = compact_bf16(w)
     w64 = w.astype(np.float64)
-    for rows in (1, 2, 5, 8, 9, 16):
+    for rows in (1, 2, 5, 8, 9, 12, 16, 17):  # float32 rows: register passes of 8 up to 8 or 16 rows, then tiles
         x32 = rng.normal(size=(rows, 2880)).astype(np.float32)
         for x in (x32.astype(BF16).astype(np.float32), x32):
             want = x.astype(np.float64) @ w64.T

@@ -132,7 +132,7 @@ def _check_dense(fmt, seed=1):
     model_dim = DIMS[fmt][0]
     w, w_ref = random_weight(rng, (600, model_dim), fmt)  # several 64-row output blocks, the last one partial
     b = rng.normal(size=(600,)).astype(np.float32)
-    for rows in (1, 2, 3, 11):  # one row, two, a few, more than one register pass of 8
+    for rows in (1, 2, 3, 11, 17):  # one row, two, a few, two register passes of 8, decoded tiles
         x = rng.normal(size=(rows, model_dim)).astype(np.float32)
         _close(jax.jit(dense)(x, w), x.astype(np.float64) @ w_ref.T)
         _close(jax.jit(dense)(x, w, b), x.astype(np.float64) @ w_ref.T + b)

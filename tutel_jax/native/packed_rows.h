@@ -14,10 +14,10 @@
 //              column, float32 bits): the elements no code holds, zero in the groups. Activations are arranged
 //              in the order in which byte unpacks within 128-bit lanes pair low and high bytes
 //              (`compact_position`).
-// `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows (up
-// to `kMaxRows`, the ISA's register budget) each weight row is read once, decoded in registers (the dequantized
-// weight never exists in memory) and multiplied by all rows at once; more rows decode a few weight rows into a
-// buffer in cache and multiply it by register tiles. The dequantized values are bit-identical to the float32
+// `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows
+// (`kFloatRows` per register pass, up to `kFloatPassLimit`: the ISA's register budget, simd.h) each weight row is
+// decoded in registers (the dequantized weight never exists in memory) and multiplied by a pass's rows at once;
+// more rows decode a few weight rows into a buffer in cache and multiply it by register tiles. The dequantized values are bit-identical to the float32
 // reference dequantizers (pallas_kernels.quant); only the summation order differs.
 //
 // Written once over registers of the target (`Native`, simd.h): FP4 codes decode with the ISA's E2M1 table
@@ -377,22 +377,31 @@ TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
   }
 }
 
-// out[r] += dot of the 32-element chunks [0, count) with xa[r * ldx] for R rows: each chunk decoded once, one
-// accumulator per register of a chunk (independent multiply-add chains: one chain would wait on its latency).
+// Partial sums per activation row in a float32 register pass of R rows: up to one per register of a chunk
+// (independent multiply-add chains: one chain would wait on its latency), within the ISA's budget (more would
+// spill).
+template <int R>
+constexpr int partials_per_row() {
+  return std::clamp(kBudget.float_partials / R, 1, kChunkVectors);
+}
+
+// out[r] += dot of the 32-element chunks [0, count) with xa[r * ldx] for R rows: each chunk decoded once, its
+// registers spread over `partials_per_row` partial sums per row.
 template <int R, typename Chunks>
 TJ_INLINE void add_chunk_dots(const Chunks& chunks, int64_t count, const float* xa, int64_t ldx, Native* acc) {
-  Native part[R][kChunkVectors];
+  constexpr int P = partials_per_row<R>();
+  Native part[R][P];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kChunkVectors; ++v) part[r][v] = Native{};
+    for (int v = 0; v < P; ++v) part[r][v] = Native{};
   for (int64_t c = 0; c < count; ++c) {
     Native w[kChunkVectors];
     chunks.get(c, w);
     const float* xc = xa + c * kChunk;
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunkVectors; ++v) part[r][v] += load(xc + r * ldx + v * kNativeLanes) * w[v];
+    for (int v = 0; v < kChunkVectors; ++v)
+      for (int r = 0; r < R; ++r) part[r][v % P] += load(xc + r * ldx + v * kNativeLanes) * w[v];
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kChunkVectors; ++v) acc[r] += part[r][v];
+    for (int v = 0; v < P; ++v) acc[r] += part[r][v];
 }
 
 // One FP4 row times R arranged rows: wide chunks first (8 table decodes per register of codes, one scale
@@ -425,7 +434,7 @@ inline void fp4_dot_row(Fp4Row& row, const float* xa, int64_t ldx, Native* acc) 
   add_chunk_dots<R>(row.narrow(), row.narrow_count, xa + row.wide * kWide, ldx, acc);
 }
 
-// Row n's dot with R (<= kMaxRows) arranged activation rows, the K tail (K % 32) included.
+// Row n's dot with R (<= kFloatRows; FP4: <= kMaxRows) arranged activation rows, the K tail (K % 32) included.
 template <int R>
 inline void packed_row_dots(const PackedWeight& w, const float* table, int64_t n, const float* x, int64_t ldx,
                             float* sums) {
@@ -535,10 +544,10 @@ inline void decoded_rows(const PackedWeight& w, const float* table, const float*
   }
 }
 
-// fn(std::integral_constant<int, R>{}) for 1 <= R <= kMaxRows: a register pass's row count as a constant.
-template <typename Fn>
+// fn(std::integral_constant<int, R>{}) for 1 <= R <= Max: a register pass's row count as a constant.
+template <int Max = kMaxRows, typename Fn>
 inline void with_row_count(int R, Fn&& fn) {
-  static_assert(kMaxRows == 4 || kMaxRows == 8, "the cases below");
+  static_assert(Max == 4 || Max == 8, "the cases below");
   switch (R) {
     case 1: return fn(std::integral_constant<int, 1>{});
     case 2: return fn(std::integral_constant<int, 2>{});
@@ -546,7 +555,7 @@ inline void with_row_count(int R, Fn&& fn) {
     case 4: return fn(std::integral_constant<int, 4>{});
     default: break;
   }
-  if constexpr (kMaxRows == 8) {
+  if constexpr (Max == 8) {
     switch (R) {
       case 5: return fn(std::integral_constant<int, 5>{});
       case 6: return fn(std::integral_constant<int, 6>{});
@@ -557,20 +566,27 @@ inline void with_row_count(int R, Fn&& fn) {
 }
 
 // out[r, n - n0] = sum_k xa[r, k] * w[n, k] for r < R, n in [n0, n1). xa: `arrange`d rows (stride ldx);
-// out: row stride ldo.
+// out: row stride ldo. Register passes of up to kFloatRows rows (FP4: kMaxRows; a pass reads the weight rows
+// again, from cache) for up to kFloatPassLimit rows (FP4: kMaxRows); more rows: decoded tiles.
 inline void packed_rows(const PackedWeight& w, const float* xa, int R, int64_t ldx, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
   float table[256];
-  if (is_fp4(w.fmt)) scale_table(w, table);
-  if (R > kMaxRows) return decoded_rows(w, table, xa, R, ldx, n0, n1, out, ldo);
-  with_row_count(R, [&](auto rows) {
-    constexpr int kR = decltype(rows)::value;
-    for (int64_t n = n0; n < n1; ++n) {
-      float sums[kR];
-      packed_row_dots<kR>(w, table, n, xa, ldx, sums);
-      for (int r = 0; r < kR; ++r) out[r * ldo + (n - n0)] = sums[r];
-    }
-  });
+  const bool fp4 = is_fp4(w.fmt);  // its row loop keeps a scaled sum per row beside the partials
+  if (fp4) scale_table(w, table);
+  const int pass = fp4 ? kMaxRows : kFloatRows;
+  if (R > (fp4 ? kMaxRows : kFloatPassLimit)) return decoded_rows(w, table, xa, R, ldx, n0, n1, out, ldo);
+  for (int r0 = 0; r0 < R; r0 += pass) {
+    const float* x = xa + r0 * ldx;
+    float* o = out + r0 * ldo;
+    with_row_count<kFloatRows>(std::min(pass, R - r0), [&](auto rows) {
+      constexpr int kR = decltype(rows)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        float sums[kR];
+        packed_row_dots<kR>(w, table, n, x, ldx, sums);
+        for (int r = 0; r < kR; ++r) o[r * ldo + (n - n0)] = sums[r];
+      }
+    });
+  }
 }
 
 }  // namespace tj
