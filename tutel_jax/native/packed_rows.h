@@ -17,8 +17,9 @@
 // `packed_rows` computes out[r, n] = sum_k x[r, k] * w[n, k] for n in [n0, n1). For a few activation rows
 // (`kFloatRows` per register pass, up to `kFloatPassLimit`: the ISA's register budget, simd.h) each weight row is
 // decoded in registers (the dequantized weight never exists in memory) and multiplied by a pass's rows at once;
-// more rows decode a few weight rows into a buffer in cache and multiply it by register tiles. The dequantized values are bit-identical to the float32
-// reference dequantizers (pallas_kernels.quant); only the summation order differs.
+// more rows decode a few weight rows into a buffer in cache and multiply it by register tiles. The dequantized
+// values are bit-identical to the float32 reference dequantizers (pallas_kernels.quant); only the summation order
+// differs.
 //
 // Written once over registers of the target (`Native`, simd.h): FP4 codes decode with the ISA's E2M1 table
 // (`e2m1`), FP8 with integer bit moves; activations are laid out once per call (`arrange`, the same layout for
