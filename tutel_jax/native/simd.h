@@ -44,28 +44,28 @@ enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNeon = 3 };
 
 // What the register file of each ISA holds: the register width in floats, activation rows per register pass over
 // a packed row (int8 and bfloat16 dots), the many-row form's register tile (activation rows x weight rows), and
-// for float32 dots over decoded chunks (`packed_rows`): rows per register pass, the most rows that take register
-// passes (more: decoded tiles) and the partial-sum registers a pass keeps (16 registers of AVX2: 8 rows with one
-// partial sum each stream 1.4x faster than decoded tiles, and 4 rows with two 1.15x faster than with four, which
-// spill; measured on Zen 3, one thread, compact bfloat16 rows in cache).
+// for float32 dots over decoded chunks (`packed_rows`, kFloatRows rows per register pass): the most rows that take
+// register passes (more: decoded tiles) and the partial-sum registers a pass keeps (16 registers of AVX2: 8 rows
+// with one partial sum each stream 1.4x faster than decoded tiles, and 4 rows with two 1.15x faster than with
+// four, which spill; measured on Zen 3, one thread, compact bfloat16 rows in cache).
 struct RegisterBudget {
   Isa isa;
   int lanes, max_rows, tile_x, tile_w;
-  int float_rows, float_pass_limit, float_partials;
+  int float_pass_limit, float_partials;
 };
 #if defined(TJ_ISA_AVX512)
-constexpr RegisterBudget kBudget{kAvx512, 16, 8, 4, 4, 8, 8, 16};  // 32 registers of 16
+constexpr RegisterBudget kBudget{kAvx512, 16, 8, 4, 4, 8, 16};  // 32 registers of 16
 #elif defined(TJ_ISA_AVX2)
-constexpr RegisterBudget kBudget{kAvx2, 8, 4, 3, 3, 8, 16, 8};  // 16 registers of 8
+constexpr RegisterBudget kBudget{kAvx2, 8, 4, 3, 3, 16, 8};  // 16 registers of 8
 #elif defined(TJ_ISA_NEON)
-constexpr RegisterBudget kBudget{kNeon, 4, 8, 4, 4, 8, 8, 64};  // 32 registers of 4
+constexpr RegisterBudget kBudget{kNeon, 4, 8, 4, 4, 8, 64};  // 32 registers of 4
 #else
-constexpr RegisterBudget kBudget{kPortable, 8, 4, 2, 2, 8, 8, 8};
+constexpr RegisterBudget kBudget{kPortable, 8, 4, 2, 2, 8, 8};
 #endif
 constexpr Isa kIsa = kBudget.isa;
 constexpr int kNativeLanes = kBudget.lanes, kMaxRows = kBudget.max_rows;
 constexpr int kTileX = kBudget.tile_x, kTileW = kBudget.tile_w;
-constexpr int kFloatRows = kBudget.float_rows, kFloatPassLimit = kBudget.float_pass_limit;
+constexpr int kFloatRows = 8, kFloatPassLimit = kBudget.float_pass_limit;  // rows per float32 register pass
 
 #if defined(TUTEL_JAX_REQUIRE_ISA)
 static_assert(int(kIsa) == TUTEL_JAX_REQUIRE_ISA, "the compiler flags do not target the requested instruction set");
