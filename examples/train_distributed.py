@@ -153,6 +153,14 @@ def supervise(argv: Sequence[str]) -> int:
     return explain_child_failure(code, status, tail.decode("utf-8", errors="replace"))
 
 
+def say_line(line: str) -> None:
+    """Writes `line` and its newline to stderr in one write. (The runs are unbuffered, PYTHONUNBUFFERED=1, where
+    print() writes the text and the newline separately: JAX's own log lines, written straight to the same pipe
+    from other threads, could land between them and split the line.)"""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def explain_child_failure(code: int, status: dict[str, str], log_text: str) -> int:
     """The supervisor's report on a child that failed without saying why. Returns the exit status."""
     import signal
@@ -167,17 +175,17 @@ def explain_child_failure(code: int, status: dict[str, str], log_text: str) -> i
             stopped = find_stopped_processes(process_id=int(pid), coordinator_address=status.get("coordinator"),
                                              log_text=log_text)
         except Exception as err:  # noqa: BLE001 - the report must not hide the child's failure
-            print(f"{prefix}warning: could not tell whether another process stopped: {err}", file=sys.stderr)
+            say_line(f"{prefix}warning: could not tell whether another process stopped: {err}")
             stopped = []
         if stopped:
-            print(f"{prefix}error: {stopped_message(stopped, phase)}", file=sys.stderr, flush=True)
+            say_line(f"{prefix}error: {stopped_message(stopped, phase)}")
             return PEER_STOPPED_EXIT_CODE
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        print(f"{prefix}error: terminated by {name}{during}", file=sys.stderr, flush=True)
+        say_line(f"{prefix}error: terminated by {name}{during}")
         return 128 - code
     return code
 
@@ -354,7 +362,7 @@ def stop(link: SupervisorLink, code: int, message: str) -> None:
 
     (Printed first: if JAX terminates this process in between, the supervisor still has a report to make.)
     """
-    print(f"[process {jax.process_index()}] error: {message}", file=sys.stderr, flush=True)
+    say_line(f"[process {jax.process_index()}] error: {message}")
     link.send("exit", code)
     os._exit(code)
 
@@ -380,8 +388,8 @@ def stop_if_a_process_stopped(link: SupervisorLink, phase: str, wait: float) -> 
     if stopped:
         stop(link, PEER_STOPPED_EXIT_CODE, stopped_message(stopped, phase))
     if stopped == []:
-        print(f"[process {jax.process_index()}] {phase} failed, and all {jax.process_count()} processes are "
-              "alive: this is not a stopped process", file=sys.stderr, flush=True)
+        say_line(f"[process {jax.process_index()}] {phase} failed, and all {jax.process_count()} processes are "
+                 "alive: this is not a stopped process")
 
 
 class Watchdog:
@@ -557,7 +565,7 @@ def main(args: argparse.Namespace) -> list[float]:
     for i in range(args.num_steps):
         if args.fail_at_step is not None and i == args.fail_at_step:
             link.send("exit", 1)
-            print(f"[process {pid}] --fail_at_step {i}: exiting abruptly", file=sys.stderr, flush=True)
+            say_line(f"[process {pid}] --fail_at_step {i}: exiting abruptly")
             os._exit(1)
         t0 = time.perf_counter()
         with watchdog.phase(f"step {i}", failure_wait):
