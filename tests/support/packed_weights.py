@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,9 +28,10 @@ def random_weight(rng: np.random.Generator, shape: tuple[int, ...], fmt: str):
         c = native.compact_bf16(w)
         assert c is not None and c.patches.shape[0] >= 4
         return c, np.asarray(w, np.float64)
+    # quantized and dequantized in one program each (op by op, their many small ops compile one by one)
     if fmt == "nvfp4_mul":
-        q = pallas_kernels.quantize_nvfp4(w)
+        q = jax.jit(pallas_kernels.quantize_nvfp4)(w)
         q = Nvfp4Weight(q.packed, q.scale, 1.0 / q.global_scale, global_multiplies=True)
     else:
-        q = getattr(pallas_kernels, f"quantize_{fmt}")(w)
-    return q, np.asarray(q.dequantize(), np.float64)
+        q = jax.jit(getattr(pallas_kernels, f"quantize_{fmt}"))(w)
+    return q, np.asarray(jax.jit(lambda weight: weight.dequantize())(q), np.float64)
