@@ -76,7 +76,8 @@ def _check_dense_q8(fmt: str, seed: int = 0) -> None:
     for k in KS[fmt]:
         w, w_ref = random_weight(rng, (200, k), fmt)  # several 64-row output blocks, the last one partial
         b = rng.normal(size=(200,)).astype(np.float32)
-        for rows in (1, 2, 3, 4, 8, 13):  # 13: register passes of 8 (4 on AVX2) and a partial one
+        # 13: register passes of 8 (4 on AVX2) and a partial one; 4 and more: MXFP4's block-lane form on AVX2
+        for rows in (1, 2, 3, 4, 8, 13):
             x = rng.normal(size=(rows, k)).astype(np.float32)
             x[:, :32] *= 40.0  # one block of outliers: per-block scales keep the others exact
             got = np.asarray(jax.jit(lambda x, w, b: dense(x, w, b, activations="int8"))(x, w, b))
@@ -175,15 +176,16 @@ def test_int8_activations_leave_other_weights_alone():
 
 
 @needs_compiler
-def test_int8_activations_keep_non_finite_inputs_visible():
+@pytest.mark.parametrize("rows", [2, 5])  # 5: the block-lane form on AVX2
+def test_int8_activations_keep_non_finite_inputs_visible(rows):
     """A NaN or infinite activation makes the rows it enters NaN or infinite, as in float32 (never a finite
-    number from a zeroed block)."""
+    number from a zeroed block); the other rows stay finite."""
     rng = np.random.default_rng(4)
-    w, _ = random_weight(rng, (64, 256), "mxfp4")
-    x = rng.normal(size=(2, 256)).astype(np.float32)
-    x[0, 40], x[1, 200] = np.nan, np.inf
+    w, _ = random_weight(rng, (64, 288), "mxfp4")  # a partial last group of 256 elements
+    x = rng.normal(size=(rows, 288)).astype(np.float32)
+    x[0, 40], x[1, 270] = np.nan, np.inf
     got = np.asarray(dense(x, w, activations="int8"))
-    assert not np.isfinite(got).any()
+    assert not np.isfinite(got[:2]).any() and np.isfinite(got[2:]).all()
 
 
 @needs_compiler

@@ -44,7 +44,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::vector<float> xa(q8 ? 0 : R * K);
   for (int64_t r = 0; r < R; ++r) {
     if (q8)
-      tj::quantize_q8(x.typed_data() + r * K, K, block, xq.data() + r * ldq);
+      tj::quantize_q8(x.typed_data() + r * K, K, block, tj::q8_block_lanes(w.fmt, R), xq.data() + r * ldq);
     else
       tj::arrange(w.fmt, x.typed_data() + r * K, K, xa.data() + r * K);
   }

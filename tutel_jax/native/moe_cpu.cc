@@ -172,21 +172,22 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       void* dst;
       int64_t token;
       float enc;
-      bool q8;
+      bool q8, lanes;    // int8, in the block-lane form (q8_rows.h: by its expert's row count)
       int64_t same_as;  // -1, or an earlier Row this one copies
     };
     std::vector<Row> rows;
-    for (const auto& u : used)
+    for (const auto& u : used) {
+      const bool q8 = u.xq_offset >= 0, lanes = q8 && tj::q8_block_lanes(w1[0].fmt, int64_t(u.rows.size()));
       for (size_t r = 0; r < u.rows.size(); ++r) {
-        const bool q8 = u.xq_offset >= 0;
         void* dst = q8 ? static_cast<void*>(xq.data() + u.xq_offset + int64_t(r) * ldq1)
                        : static_cast<void*>(xin.data() + u.x_offset + int64_t(r) * M);
-        rows.push_back({dst, u.rows[r].token, u.rows[r].enc, q8, -1});
+        rows.push_back({dst, u.rows[r].token, u.rows[r].enc, q8, lanes, -1});
       }
+    }
     std::vector<int64_t> distinct, first(S, -1);  // first: each token's first row
     for (int64_t i = 0; i < int64_t(rows.size()); ++i) {
       int64_t& f = first[rows[i].token];
-      if (f >= 0 && rows[f].enc == rows[i].enc && rows[f].q8 == rows[i].q8) {
+      if (f >= 0 && rows[f].enc == rows[i].enc && rows[f].q8 == rows[i].q8 && rows[f].lanes == rows[i].lanes) {
         rows[i].same_as = f;
         continue;
       }
@@ -199,7 +200,7 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       const float* src = xs + row.token * M;
       for (int64_t m = 0; m < M; ++m) scaled[m] = row.enc * src[m];
       if (row.q8)
-        tj::quantize_q8(scaled.data(), M, block1, static_cast<uint8_t*>(row.dst));
+        tj::quantize_q8(scaled.data(), M, block1, row.lanes, static_cast<uint8_t*>(row.dst));
       else
         tj::arrange(w1[0].fmt, scaled.data(), M, static_cast<float*>(row.dst));
     });
@@ -232,12 +233,13 @@ ffi::Error MoeExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   tj::run_items(pool, int64_t(used.size()), max_workers, [&](int64_t j) {
     const UsedExpert& u = used[j];
     std::vector<float> act(I);
+    const bool lanes = tj::q8_block_lanes(w2.fmt, int64_t(u.rows.size()));
     for (size_t r = 0; r < u.rows.size(); ++r) {
       float* hr = h.data() + u.h_offset + int64_t(r) * H;
       if (bias1.present()) bias1.add_to(hr, u.e * H, H);
       glu_fn.apply(hr, act.data());
       if (u.aq_offset >= 0)
-        tj::quantize_q8(act.data(), I, block2, aq.data() + u.aq_offset + int64_t(r) * ldq2);
+        tj::quantize_q8(act.data(), I, block2, lanes, aq.data() + u.aq_offset + int64_t(r) * ldq2);
       else
         tj::arrange(w2.fmt, act.data(), I, a.data() + u.a_offset + int64_t(r) * I);
     }

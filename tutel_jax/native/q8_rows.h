@@ -20,6 +20,8 @@
 // elements as int8, then the odd ones, so that the low nibbles of a register of codes meet the even elements and
 // the high nibbles the odd ones; weight block m of a chunk is lanes m * LPB .. (m + 1) * LPB - 1 of both halves.
 // After the chunks: sh [q8_blocks] then o [q8_blocks] as floats, per weight block (zero past the row).
+// On AVX2 an MXFP4 call of kLaneRows or more rows takes the block-lane form instead (`q8_block_lanes`,
+// `mxfp4_q8_lane_dots`): groups of eight weight blocks transposed in registers, a block per int32 lane.
 
 #pragma once
 
@@ -47,62 +49,117 @@ inline int64_t q8_blocks(int64_t K, int64_t block) {
   const int64_t used = q8_chunks(K) * (kQElems / block);
   return (used + kNativeLanes - 1) / kNativeLanes * kNativeLanes + kNativeLanes;
 }
+// The block-lane form of an MXFP4 call's activation rows (AVX2, kLaneRows or more rows: `q8_block_lanes`): a
+// group of four registers of codes (eight weight blocks of 32) is transposed in registers so that int32 lane l
+// of every dot holds block kLaneBlock[l]: the group's four dots then add up in integers and take their scales
+// with one conversion and one multiply-add per activation row, where the chunk form converts, permutes and
+// scales every register. A row: per group of 256 elements four chunks of (even elements, odd elements) as
+// int8, lane l's four bytes from block kLaneBlock[l] (chunk i: elements 8i .. 8i + 7 of the block); then sh
+// [8 x groups] and o [8 x groups] in lane order.
+#if defined(TJ_ISA_AVX2)
+constexpr bool kQ8Lanes = true;
+#else
+constexpr bool kQ8Lanes = false;  // (AVX-512 and NEON keep the chunk form: a register holds whole blocks there
+                                  // with a dot instruction, or one block)
+#endif
+constexpr int kLaneRows = 4;                                  // the fewest rows that take the block-lane form
+constexpr int kLaneGroupElems = 256, kLaneGroupBytes = 128;  // elements, and MXFP4 code bytes, per group
+constexpr int kLaneBlock[8] = {0, 2, 4, 6, 1, 3, 5, 7};      // the block of a group in each int32 lane
+inline int64_t q8_lane_groups(int64_t K) { return (K + kLaneGroupElems - 1) / kLaneGroupElems; }
+inline bool q8_block_lanes(int fmt, int64_t rows) { return kQ8Lanes && fmt == kMxfp4 && rows >= kLaneRows; }
+
+// The bytes of one quantized activation row, in either form the weight format's rows may take.
 inline int64_t q8_row_bytes(int64_t K, int64_t block) {
-  return q8_chunks(K) * kQChunkBytes + 2 * int64_t(sizeof(float)) * q8_blocks(K, block);
+  const int64_t chunked = q8_chunks(K) * kQChunkBytes + 2 * int64_t(sizeof(float)) * q8_blocks(K, block);
+  if (!kQ8Lanes || block != 32) return chunked;
+  return std::max(chunked, q8_lane_groups(K) * (kLaneGroupElems + 2 * 8 * int64_t(sizeof(float))));
 }
 
-// x [K] -> dst [q8_row_bytes(K, block)]: int8 per activation block of 32 (round to nearest even), zero past K,
-// and sh, o per weight block of `block` (32 or 16) elements. A non-finite activation block gets a NaN scale, so
-// that the dots it enters are NaN as the float path's would be. Registers of 32 elements at a time.
-inline void quantize_q8(const float* x, int64_t K, int64_t block, uint8_t* dst) {
+// One activation block of 32 elements quantized: q = round(x / sa) (to nearest even), sa = max |x| / 127, h =
+// sa / 2 (NaN where the block is not finite) and the sums of q per 16 elements. v: 32 floats (zero past the row).
+struct QBlock {
+  int8_t q[kQBlock];
+  float h;
+  int32_t sums[2];
+};
+inline QBlock quantize_block(const float* v) {
   constexpr int kVecs = kQBlock / kNativeLanes;  // registers per activation block
   static_assert(kQBlock % kNativeLanes == 0, "whole registers per activation block");
-  const int64_t chunks = q8_chunks(K), nb = q8_blocks(K, block);
+  UNative bad{}, amax{};  // |x| as bits: ordered as the magnitudes are
+  for (int i = 0; i < kVecs; ++i) {
+    const UNative a = (UNative)load(v + i * kNativeLanes) & 0x7FFFFFFFu;
+    bad |= (UNative)(a > splat_u(0x7F7FFFFFu));  // inf or NaN
+    amax = select((UNative)(a > amax), a, amax);
+  }
+  for (int w = kNativeLanes / 2; w > 0; w /= 2)  // halving: lanes 0 .. w-1 take the larger of l and l + w
+    for (int l = 0; l < w; ++l) {
+      amax[l] = std::max(amax[l], amax[l + w]);
+      bad[l] |= bad[l + w];
+    }
+  const float peak = bits_to_float(amax[0]);
+  const bool finite = bad[0] == 0;
+  const float inv = finite && peak > 0.0f ? 127.0f / peak : 0.0f;
+  QBlock b;
+  b.h = finite ? 0.5f * (peak / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
+  for (int i = 0; i < kVecs; ++i) {
+    typedef int8_t QLanes __attribute__((vector_size(kNativeLanes)));
+    const QLanes qi = __builtin_convertvector(round_even(load(v + i * kNativeLanes) * inv), QLanes);
+    std::memcpy(b.q + i * kNativeLanes, &qi, sizeof(qi));
+  }
+  b.sums[0] = b.sums[1] = 0;
+  for (int i = 0; i < kQBlock; ++i) b.sums[i / 16] += b.q[i];
+  return b;
+}
+
+// x [K] -> dst [q8_row_bytes(K, block)]: int8 per activation block of 32, zero past K, and sh, o per weight
+// block of `block` (32 or 16) elements; in the block-lane form when `lanes` (MXFP4 only). A non-finite
+// activation block gets a NaN scale, so that the dots it enters are NaN as the float path's would be.
+inline void quantize_q8(const float* x, int64_t K, int64_t block, bool lanes, uint8_t* dst) {
   std::memset(dst, 0, size_t(q8_row_bytes(K, block)));
+  alignas(64) float v[kQBlock];
+  auto block_at = [&](int64_t e0) {  // the activation block from element e0 (zero-padded)
+    const int n = int(std::min<int64_t>(kQBlock, K - e0));
+    std::fill(v + n, v + kQBlock, 0.0f);
+    std::copy(x + e0, x + e0 + n, v);
+    return quantize_block(v);
+  };
+  if (lanes) {
+    const int64_t groups = q8_lane_groups(K);
+    float* sh = reinterpret_cast<float*>(dst + groups * kLaneGroupElems);
+    float* off = sh + 8 * groups;
+    for (int64_t j = 0; j * kQBlock < K; ++j) {
+      const QBlock b = block_at(j * kQBlock);
+      const int64_t g = j / 8, slot = j % 8, lane = slot % 2 == 0 ? slot / 2 : 4 + slot / 2;  // kLaneBlock^-1
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 4; ++t) {
+          uint8_t* chunk = dst + g * kLaneGroupElems + i * 64 + lane * 4 + t;
+          chunk[0] = uint8_t(b.q[8 * i + 2 * t]);
+          chunk[32] = uint8_t(b.q[8 * i + 2 * t + 1]);
+        }
+      sh[8 * g + lane] = b.h;
+      off[8 * g + lane] = float(-kQOffset * (b.sums[0] + b.sums[1])) * b.h;
+    }
+    return;
+  }
+  const int64_t chunks = q8_chunks(K), nb = q8_blocks(K, block);
   float* sh = reinterpret_cast<float*>(dst + chunks * kQChunkBytes);
   float* off = sh + nb;
   const int per = int(kQBlock / block);  // weight blocks per activation block
-  alignas(64) float v[kQBlock];
   for (int64_t c = 0; c < chunks; ++c) {
     int8_t* half[2] = {reinterpret_cast<int8_t*>(dst + c * kQChunkBytes),
                        reinterpret_cast<int8_t*>(dst + c * kQChunkBytes + kQBytes)};
     for (int m = 0; m < kQElems / kQBlock; ++m) {
       const int64_t e0 = c * kQElems + m * kQBlock;
-      const int n = int(std::max<int64_t>(0, std::min<int64_t>(kQBlock, K - e0)));
-      if (n == 0) continue;  // past the row: zeros
-      std::fill(v + n, v + kQBlock, 0.0f);
-      std::copy(x + e0, x + e0 + n, v);
-      UNative bad{}, amax{};  // |x| as bits: ordered as the magnitudes are
-      for (int i = 0; i < kVecs; ++i) {
-        const UNative a = (UNative)load(v + i * kNativeLanes) & 0x7FFFFFFFu;
-        bad |= (UNative)(a > splat_u(0x7F7FFFFFu));  // inf or NaN
-        amax = select((UNative)(a > amax), a, amax);
-      }
-      for (int w = kNativeLanes / 2; w > 0; w /= 2)  // halving: lanes 0 .. w-1 take the larger of l and l + w
-        for (int l = 0; l < w; ++l) {
-          amax[l] = std::max(amax[l], amax[l + w]);
-          bad[l] |= bad[l + w];
-        }
-      const float peak = bits_to_float(amax[0]);
-      const bool finite = bad[0] == 0;
-      const float inv = finite && peak > 0.0f ? 127.0f / peak : 0.0f;
-      const float h = finite ? 0.5f * (peak / 127.0f) : NAN;  // 0.5: the table holds 2 x E2M1
-      int8_t q[kQBlock];
-      for (int i = 0; i < kVecs; ++i) {
-        typedef int8_t QLanes __attribute__((vector_size(kNativeLanes)));
-        const QLanes qi = __builtin_convertvector(round_even(load(v + i * kNativeLanes) * inv), QLanes);
-        std::memcpy(q + i * kNativeLanes, &qi, sizeof(qi));
-      }
-      int32_t sums[2] = {0, 0};  // per 16 elements
+      if (e0 >= K) continue;  // past the row: zeros
+      const QBlock b = block_at(e0);
       for (int j = 0; j < kQBlock / 2; ++j) {
-        half[0][16 * m + j] = q[2 * j];
-        half[1][16 * m + j] = q[2 * j + 1];
+        half[0][16 * m + j] = b.q[2 * j];
+        half[1][16 * m + j] = b.q[2 * j + 1];
       }
-      for (int i = 0; i < kQBlock; ++i) sums[i / 16] += q[i];
       for (int j = 0; j < per; ++j) {
-        const int64_t b = e0 / block + j;
-        sh[b] = h;
-        off[b] = float(-kQOffset * (per == 1 ? sums[0] + sums[1] : sums[j])) * h;
+        const int64_t wb = e0 / block + j;
+        sh[wb] = b.h;
+        off[wb] = float(-kQOffset * (per == 1 ? b.sums[0] + b.sums[1] : b.sums[j])) * b.h;
       }
     }
   }
@@ -123,7 +180,15 @@ TJ_INLINE Fp4Bytes fp4_bytes(const uint8_t* p) {
 
 // Their int32 dot with one chunk of a quantized activation row (its even elements, then its odd ones), per lane.
 TJ_INLINE Native fp4_chunk_dot(const Fp4Bytes& w, const uint8_t* chunk) {
+#if defined(TJ_ISA_AVX2) && !defined(__AVXVNNI__)
+  // no dot instruction: the two halves' byte-pair products summed as 16-bit lanes before the one widening
+  // (table bytes <= 24: a lane stays within 2 x 2 x 24 x 127), three multiplies instead of four
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16((__m256i)w.lo, (__m256i)load_q(chunk)),
+                                         _mm256_maddubs_epi16((__m256i)w.hi, (__m256i)load_q(chunk + kQBytes)));
+  return __builtin_convertvector((INative)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), Native);
+#else
   return __builtin_convertvector(dot4(dot4(INative{}, w.lo, load_q(chunk)), w.hi, load_q(chunk + kQBytes)), Native);
+#endif
 }
 
 // The block scales are a second, thinner stream (K/32 or K/16 bytes a row): row n asks for row n + 8's.
@@ -249,6 +314,80 @@ inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t b
   for (int r = 0; r < R; ++r) sums[r] = reduce_add(f[r] + corr[r]);
 }
 
+#if defined(TJ_ISA_AVX2)
+static_assert(kLaneGroupBytes == kChunksPerGroup * kQBytes, "a partial group's copy: copy_partial_group");
+// One MXFP4 row (`bytes` of codes, its E8M0 scales) times R activation rows quantized in the block-lane form (xq,
+// stride ldq; `groups` groups a row): the whole dot, offset included, into sums[r]. Per group: the four
+// registers of codes transposed (64-bit then 32-bit interleaves: lane l of each holds four bytes of block
+// kLaneBlock[l]), table bytes by lookup, and per activation row the 16-bit sums of four byte-pair products (at
+// most 4 x 2 x 24 x 127) widened once per pair of registers. A partial last group is read whole where the
+// weight's next rows hold it (rows_left: this row and those after it), else from a zero-padded copy.
+template <int R>
+inline void mxfp4_q8_lane_dots(const uint8_t* codes, const uint8_t* scales, int64_t bytes, int64_t rows_left,
+                               const uint8_t* xq, int64_t ldq, int64_t groups, float* sums) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Q)));
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i order = _mm256_setr_epi32(kLaneBlock[0], kLaneBlock[1], kLaneBlock[2], kLaneBlock[3],
+                                          kLaneBlock[4], kLaneBlock[5], kLaneBlock[6], kLaneBlock[7]);
+  __m256 f[R], corr[R];
+  for (int r = 0; r < R; ++r) f[r] = corr[r] = _mm256_setzero_ps();
+  // blocks: the group's blocks in this row (the codes and scale codes after them are the next row's: they meet
+  // zero activations, and the scale codes are masked to 0, 2^-127, so that none is infinite)
+  auto group = [&](const uint8_t* p, const uint8_t* sc, int64_t g, int blocks) TJ_INLINE_LAMBDA {
+    auto at = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i)); };
+    auto words = [](__m256i a, __m256i b, int imm) {
+      return imm == 0 ? _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88))
+                      : _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0xDD));
+    };
+    const __m256i u0 = _mm256_unpacklo_epi64(at(0), at(1)), u1 = _mm256_unpackhi_epi64(at(0), at(1));
+    const __m256i u2 = _mm256_unpacklo_epi64(at(2), at(3)), u3 = _mm256_unpackhi_epi64(at(2), at(3));
+    const __m256i w[4] = {words(u0, u2, 0), words(u0, u2, 1), words(u1, u3, 0), words(u1, u3, 1)};
+    UNative sc8 = load_bytes(sc);
+    if (blocks < 8) sc8 &= (UNative)(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) < _mm256_set1_epi32(blocks));
+    const __m256 sw = _mm256_permutevar8x32_ps((__m256)e8m0(sc8), order);
+    __m256i acc[R];
+    for (int h = 0; h < 2; ++h) {
+      auto lo = [&](__m256i c) { return _mm256_shuffle_epi8(table, _mm256_and_si256(c, low)); };
+      auto hi = [&](__m256i c) { return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(c, 4), low)); };
+      const __m256i la = lo(w[2 * h]), ha = hi(w[2 * h]), lb = lo(w[2 * h + 1]), hb = hi(w[2 * h + 1]);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* q = xq + r * ldq + g * kLaneGroupElems + h * 128;
+        auto qv = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i)); };
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(la, qv(0)), _mm256_maddubs_epi16(ha, qv(1))),
+            _mm256_add_epi16(_mm256_maddubs_epi16(lb, qv(2)), _mm256_maddubs_epi16(hb, qv(3))));
+        const __m256i wide = _mm256_madd_epi16(pairs, ones);
+        acc[r] = h == 0 ? wide : _mm256_add_epi32(acc[r], wide);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* sh = reinterpret_cast<const float*>(xq + r * ldq + groups * kLaneGroupElems) + 8 * g;
+      corr[r] = _mm256_fmadd_ps(sw, _mm256_loadu_ps(sh + 8 * groups), corr[r]);
+      f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sw, _mm256_loadu_ps(sh)), f[r]);
+    }
+  };
+  const int64_t full = bytes / kLaneGroupBytes;
+  for (int64_t g = 0; g < full; ++g) {
+    const uint8_t* p = codes + g * kLaneGroupBytes;
+    prefetch_stream(p);
+    prefetch_stream(p + 64);
+    group(p, scales + 8 * g, g, 8);
+  }
+  if (const int64_t rest = bytes - full * kLaneGroupBytes; rest > 0) {
+    const uint8_t* p = codes + full * kLaneGroupBytes;
+    const uint8_t* sc = scales + 8 * full;
+    alignas(64) uint8_t copy[kLaneGroupBytes + 8];
+    if ((full + 1) * kLaneGroupBytes > rows_left * bytes || 8 * (full + 1) > rows_left * (bytes / 16)) {
+      copy_partial_group(p, rest, sc, rest / 16, copy);  // past the weight's end: a zero-padded copy
+      p = copy;
+      sc = copy + kLaneGroupBytes;
+    }
+    group(p, sc, full, int(rest / 16));
+  }
+  for (int r = 0; r < R; ++r) sums[r] = reduce_add((Native)_mm256_add_ps(f[r], corr[r]));
+}
+#endif
+
 // out[r, n - n0] = sums[r] of dots(rows, n, xp, sums) for each weight row n in [n0, n1) and each register pass
 // of activation rows (xp: its first row; `rows` a std::integral_constant: kMaxRows, the last pass fewer). More
 // rows than a register pass (a prefill) go a pass at a time over the same weight rows, which the first pass
@@ -272,11 +411,22 @@ inline void q8_register_passes(const PackedWeight& w, const uint8_t* xq, int R, 
 }
 
 // out[r, n - n0] = sum_k x[r, k] * w[n, k] for an FP4 weight and R rows quantized by quantize_q8 for its block
-// size (xq, row stride ldq bytes). MXFP4: `mxfp4_q8_dots` (the scales decoded in the loop); NVFP4: its scales
-// decoded per weight row, then `fp4_q8_dots`.
+// size, in the block-lane form where q8_block_lanes(w.fmt, R) (xq, row stride ldq bytes). MXFP4: that form's
+// `mxfp4_q8_lane_dots`, else `mxfp4_q8_dots` (the scales decoded in the loop); NVFP4: its scales decoded per
+// weight row, then `fp4_q8_dots`.
 inline void fp4_q8_rows(const PackedWeight& w, const uint8_t* xq, int R, int64_t ldq, int64_t n0, int64_t n1,
                         float* out, int64_t ldo) {
   const int64_t bytes = w.K / 2, count = w.scales_per_row();
+#if defined(TJ_ISA_AVX2)
+  if (q8_block_lanes(w.fmt, R)) {
+    const int64_t groups = q8_lane_groups(w.K);
+    q8_register_passes(w, xq, R, ldq, n0, n1, out, ldo, [&](auto rows, int64_t n, const uint8_t* xp, float* sums) {
+      mxfp4_q8_lane_dots<decltype(rows)::value>(w.data + n * bytes, w.scale + n * count, bytes, w.N - n, xp, ldq,
+                                                groups, sums);
+    });
+    return;
+  }
+#endif
   if (w.fmt == kMxfp4) {
     const int64_t off = q8_chunks(w.K) * kQChunkBytes / int64_t(sizeof(float));  // sh, o: floats after the chunks
     q8_register_passes(w, xq, R, ldq, n0, n1, out, ldo, [&](auto rows, int64_t n, const uint8_t* xp, float* sums) {
