@@ -241,6 +241,27 @@ __attribute__((noinline)) inline void copy_partial_group(const uint8_t* codes, i
   std::memcpy(dst + kChunksPerGroup * kQBytes, scales, size_t(blocks));
 }
 
+// A row's last, partial group: its codes at p (`rest` bytes; `read` bytes are read from there) and its `blocks`
+// scale codes at s (a register of them is read). Read in place where the weight holds what is read (`codes_left`,
+// `scales_left`: its bytes from p and s on; the codes after the row's meet zero activations), else from a zero-
+// padded copy in `copy` [kChunksPerGroup * kQBytes + kNativeLanes]. The codes, and the scale codes with those past
+// the row as 0 (2^-127: finite, times their zero sh and o).
+struct PartialGroup {
+  const uint8_t* codes;
+  UNative scale_codes;
+};
+inline PartialGroup partial_group(const uint8_t* p, int64_t rest, const uint8_t* s, int64_t blocks, int64_t read,
+                                  int64_t codes_left, int64_t scales_left, uint8_t* copy) {
+  if (read > codes_left || kNativeLanes > scales_left) {  // past the weight's end
+    copy_partial_group(p, rest, s, blocks, copy);
+    p = copy;
+    s = copy + kChunksPerGroup * kQBytes;
+  }
+  UNative lane;
+  for (int l = 0; l < kNativeLanes; ++l) lane[l] = uint32_t(l);
+  return {p, load_bytes(s) & (UNative)(lane < splat_u(uint32_t(blocks)))};
+}
+
 // One MXFP4 row (`bytes` of codes, its E8M0 scales) times R activation rows quantized by quantize_q8 for blocks
 // of 32 (xq, stride ldq; sh and o after the chunks at float offset `off`): the whole dot, offset included, into
 // sums[r]. The scales are decoded in the loop, a register of them per group of kChunksPerGroup registers of
@@ -291,20 +312,14 @@ inline void mxfp4_q8_dots(const uint8_t* codes, const uint8_t* scales, int64_t b
   }
   const int64_t rest = bytes - groups * kGroupBytes;
   if (rest > 0) {  // the last, partial group
-    const int64_t chunks = (rest + kQBytes - 1) / kQBytes, blocks = rest / 16;
-    const uint8_t* p = codes + groups * kGroupBytes;
-    const uint8_t* s = scales + groups * kNativeLanes;
+    const int64_t chunks = (rest + kQBytes - 1) / kQBytes;
     alignas(64) uint8_t copy[kGroupBytes + kNativeLanes];
-    if (groups * kGroupBytes + chunks * kQBytes > rows_left * bytes ||
-        groups * kNativeLanes + kNativeLanes > rows_left * count) {  // past the weight's end: a zero-padded copy
-      copy_partial_group(p, rest, s, blocks, copy);
-      p = copy;
-      s = copy + kGroupBytes;
-    }
-    UNative lane;
-    for (int l = 0; l < kNativeLanes; ++l) lane[l] = uint32_t(l);
-    // scale codes past the row as 0 (2^-127: finite, times their zero sh and o)
-    scale_group(load_bytes(s) & (UNative)(lane < splat_u(uint32_t(blocks))), groups);
+    const PartialGroup part =
+        partial_group(codes + groups * kGroupBytes, rest, scales + groups * kNativeLanes, rest / 16,
+                      chunks * kQBytes, rows_left * bytes - groups * kGroupBytes,
+                      rows_left * count - groups * kNativeLanes, copy);
+    const uint8_t* p = part.codes;
+    scale_group(part.scale_codes, groups);
     const int64_t c = groups * kChunksPerGroup;
     step(p, c, K0{});
     if (chunks > 1) step(p + kQBytes, c + 1, K1{});
@@ -321,7 +336,8 @@ static_assert(kLaneGroupBytes == kChunksPerGroup * kQBytes, "a partial group's c
 // registers of codes transposed (64-bit then 32-bit interleaves: lane l of each holds four bytes of block
 // kLaneBlock[l]), table bytes by lookup, and per activation row the 16-bit sums of four byte-pair products (at
 // most 4 x 2 x 24 x 127) widened once per pair of registers. A partial last group is read whole where the
-// weight's next rows hold it (rows_left: this row and those after it), else from a zero-padded copy.
+// weight's next rows hold it (rows_left: this row and those after it), else from a zero-padded copy
+// (`partial_group`).
 template <int R>
 inline void mxfp4_q8_lane_dots(const uint8_t* codes, const uint8_t* scales, int64_t bytes, int64_t rows_left,
                                const uint8_t* xq, int64_t ldq, int64_t groups, float* sums) {
@@ -331,9 +347,7 @@ inline void mxfp4_q8_lane_dots(const uint8_t* codes, const uint8_t* scales, int6
                                           kLaneBlock[4], kLaneBlock[5], kLaneBlock[6], kLaneBlock[7]);
   __m256 f[R], corr[R];
   for (int r = 0; r < R; ++r) f[r] = corr[r] = _mm256_setzero_ps();
-  // blocks: the group's blocks in this row (the codes and scale codes after them are the next row's: they meet
-  // zero activations, and the scale codes are masked to 0, 2^-127, so that none is infinite)
-  auto group = [&](const uint8_t* p, const uint8_t* sc, int64_t g, int blocks) TJ_INLINE_LAMBDA {
+  auto group = [&](const uint8_t* p, UNative scale_codes, int64_t g) TJ_INLINE_LAMBDA {
     auto at = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i)); };
     auto words = [](__m256i a, __m256i b, int imm) {
       return imm == 0 ? _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88))
@@ -342,9 +356,7 @@ inline void mxfp4_q8_lane_dots(const uint8_t* codes, const uint8_t* scales, int6
     const __m256i u0 = _mm256_unpacklo_epi64(at(0), at(1)), u1 = _mm256_unpackhi_epi64(at(0), at(1));
     const __m256i u2 = _mm256_unpacklo_epi64(at(2), at(3)), u3 = _mm256_unpackhi_epi64(at(2), at(3));
     const __m256i w[4] = {words(u0, u2, 0), words(u0, u2, 1), words(u1, u3, 0), words(u1, u3, 1)};
-    UNative sc8 = load_bytes(sc);
-    if (blocks < 8) sc8 &= (UNative)(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) < _mm256_set1_epi32(blocks));
-    const __m256 sw = _mm256_permutevar8x32_ps((__m256)e8m0(sc8), order);
+    const __m256 sw = _mm256_permutevar8x32_ps((__m256)e8m0(scale_codes), order);
     __m256i acc[R];
     for (int h = 0; h < 2; ++h) {
       auto lo = [&](__m256i c) { return _mm256_shuffle_epi8(table, _mm256_and_si256(c, low)); };
@@ -371,18 +383,14 @@ inline void mxfp4_q8_lane_dots(const uint8_t* codes, const uint8_t* scales, int6
     const uint8_t* p = codes + g * kLaneGroupBytes;
     prefetch_stream(p);
     prefetch_stream(p + 64);
-    group(p, scales + 8 * g, g, 8);
+    group(p, load_bytes(scales + 8 * g), g);
   }
   if (const int64_t rest = bytes - full * kLaneGroupBytes; rest > 0) {
-    const uint8_t* p = codes + full * kLaneGroupBytes;
-    const uint8_t* sc = scales + 8 * full;
-    alignas(64) uint8_t copy[kLaneGroupBytes + 8];
-    if ((full + 1) * kLaneGroupBytes > rows_left * bytes || 8 * (full + 1) > rows_left * (bytes / 16)) {
-      copy_partial_group(p, rest, sc, rest / 16, copy);  // past the weight's end: a zero-padded copy
-      p = copy;
-      sc = copy + kLaneGroupBytes;
-    }
-    group(p, sc, full, int(rest / 16));
+    alignas(64) uint8_t copy[kLaneGroupBytes + kNativeLanes];
+    const PartialGroup part = partial_group(codes + full * kLaneGroupBytes, rest, scales + 8 * full, rest / 16,
+                                            kLaneGroupBytes, rows_left * bytes - full * kLaneGroupBytes,
+                                            rows_left * (bytes / 16) - 8 * full, copy);
+    group(part.codes, part.scale_codes, full);
   }
   for (int r = 0; r < R; ++r) sums[r] = reduce_add((Native)_mm256_add_ps(f[r], corr[r]));
 }
