@@ -14,11 +14,13 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
           whole-model jitted program (lowered and compiled) for comparison;
   TTFT    a --prompt-len prompt (random ids, batch 1): prefill + the first greedy token, after a compiling run;
   decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
-  read    the streaming read bandwidth with the process's CPUs as threads (`native.bandwidth.read_bandwidth`:
-          a 1 GiB buffer, best of 5, prefetched as the kernels prefetch), with the model resident; also a copy
-          bandwidth (np.copyto of 256 MiB buffers, one thread, STREAM's convention: bytes read + written per
-          second), for comparison;
-  roofline  bytes read per decode step / step time / read bandwidth. Bytes per step: every non-expert weight
+  read    the streaming read bandwidth with the process's CPUs as threads (`native.ReadProbe`: a 1 GiB buffer,
+          prefetched as the kernels prefetch), with the model resident: one read after each of --decode-steps
+          more decode steps at each batch (`paired_roofline`: the bandwidth at the moments the steps run; the
+          reads' median); also a copy bandwidth (np.copyto of 256 MiB buffers, one thread, STREAM's convention:
+          bytes read + written per second), for comparison;
+  roofline  bytes read per decode step / step time / read bandwidth, the steps and reads of those paired runs
+          (medians; the copy ratio: the decode run's steps). Bytes per step: every non-expert weight
           (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
           E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).
   serve   after the child has exited: `tutel-jax serve` (bfloat16, --max-len slots per row) answers the
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +170,10 @@ class Decoder:
                                       self._greedy(tok.shape[0]))
         return tok, cache
 
-    def run(self, ids: np.ndarray, steps: int) -> tuple[float, list[float], np.ndarray]:
-        """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps])."""
+    def run(self, ids: np.ndarray, steps: int, after_step: Callable[[], Any] | None = None
+            ) -> tuple[float, list[float], np.ndarray]:
+        """(prefill + first token seconds, each decode step's seconds, tokens [B, 1 + steps]); after_step is
+        called after each timed step (outside its time), e.g. a `ReadProbe`'s read."""
         import jax
         import jax.numpy as jnp
 
@@ -182,6 +187,8 @@ class Decoder:
             tok, cache = self.step(tok, jnp.int32(ids.shape[1] + i), cache)
             toks.append(np.asarray(jax.block_until_ready(tok)))
             times.append(time.perf_counter() - start)
+            if after_step is not None:
+                after_step()
         return ttft, times, np.stack(toks, 1)
 
     def step_compile_s(self) -> float:
@@ -233,6 +240,19 @@ def decode_bytes(model: Any, batch: int) -> float:
     return total
 
 
+def paired_roofline(dec: Decoder, ids: np.ndarray, steps: int, probe: Callable[[], float],
+                    bytes_per_step: float) -> dict[str, float]:
+    """`steps` greedy decode steps after the prompts ids [B, T], each followed by one read of `probe`
+    (`native.ReadProbe`: a buffer larger than any cache, the same threads): the bandwidth the host gives at the
+    moments the steps run (on a shared host it moves by 2x within minutes, so a read taken at another moment is
+    not the steps' roofline). Returns the steps' median seconds (`step_s`), the reads' median bytes per second
+    (`read_bytes_per_s`) and `roofline` = bytes_per_step / step_s / read_bytes_per_s."""
+    reads: list[float] = []
+    _, times, _ = dec.run(ids, steps, after_step=lambda: reads.append(probe()))
+    step_s, read = float(np.median(times)), float(np.median(reads))
+    return {"step_s": step_s, "read_bytes_per_s": read, "roofline": bytes_per_step / step_s / read}
+
+
 def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     """Every measurement of the module docstring for one checkpoint directory (run in a fresh process)."""
     import jax.numpy as jnp
@@ -241,7 +261,7 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     from tutel_jax.models import PER_LAYER_JIT_CHOICES
     from tutel_jax.models import memory_report
     from tutel_jax.core import usable_cpus
-    from tutel_jax.native import read_bandwidth
+    from tutel_jax.native import ReadProbe
 
     files = sorted(model_dir.glob("*.safetensors"))
     out: dict[str, Any] = {"model": model_dir.name, "shards": len(files)}
@@ -287,10 +307,14 @@ def measure(model_dir: Path, settings: Settings) -> dict[str, Any]:
     out["peak_rss_bytes"] = _status_kib("VmHWM") * 1024
     out["copy_gbps"] = copy_gbps(settings.copy_mib)
     out["read_threads"] = usable_cpus()
-    out["read_gbps"] = read_bandwidth(settings.read_mib << 20, out["read_threads"]) / 1e9
-    for d in decode.values():
-        d["roofline_ratio"] = d["bytes_per_step"] / d["step_s"] / (out["read_gbps"] * 1e9)
+    probe = ReadProbe(settings.read_mib << 20, out["read_threads"])  # after the peak RSS: not counted there
+    for batch, d in decode.items():
+        paired = paired_roofline(dec, rng.integers(0, vocab, (batch, 16)), settings.decode_steps, probe,
+                                 d["bytes_per_step"])
+        d.update(roofline_step_s=paired["step_s"], read_gbps=paired["read_bytes_per_s"] / 1e9,
+                 roofline_ratio=paired["roofline"])
         d["roofline_copy_ratio"] = d["bytes_per_step"] / d["step_s"] / (out["copy_gbps"] * 1e9)
+    out["read_gbps"] = decode[settings.batches[0]]["read_gbps"]  # the table's: the first batch's reads
     out["expert_formats"] = list(report.formats)
     return out
 

@@ -16,10 +16,11 @@ outside the repository):
               the converter identifies a BPE pre-tokenizer by hashing its tokens of a test text, and knows
               GPT-2's. Neither benchmark tokenizes text, so the vocabulary changes no number.
   rounds      interleaved, --rounds of them: llama.cpp (llama-bench: `-p 512` prefill and `-n 64` decode at
-              batch 1; llama-batched-bench: 8 parallel sequences for decode at batch 8), then tutel-jax (one
-              child process: `from_pretrained(dtype=bfloat16)` (its defaults: on this CPU compact bfloat16 dense
-              weights where the build has bfloat16 dot products), a 512-token prefill, 64 greedy decode steps at
-              batch 1 and 16 at batch 8, after compiling runs). Both run pinned to the same --threads CPUs
+              batch 1, from an empty cache; llama-batched-bench: 8 parallel sequences of 16-token prompts for
+              decode at batch 8), then tutel-jax (one child process: `from_pretrained(dtype=bfloat16)` (its
+              defaults: on this CPU compact bfloat16 dense weights where the build has bfloat16 dot products), a
+              512-token prefill, then 64 greedy decode steps at batch 1 and 16 at batch 8 after 16-token prompts,
+              after compiling runs). Both run pinned to the same --threads CPUs
               (llama.cpp with `-t` threads, XLA's pool on those CPUs), with the same environment. Each child's
               peak RSS comes from wait4.
   serving     after the rounds, once each: `tutel-jax serve` (`real_size.measure_serving`: continuous batching of
@@ -28,11 +29,13 @@ outside the repository):
               prompts (random ids below 256, in both vocabularies) to /v1/completions; req/s, tokens/s and p50 /
               p99 latency (`benchmarks/serve.timed_load`, one untimed level first). `--serving-only` measures this
               alone and adds it to an existing results file of the same model.
-The read bandwidth is `tutel_jax.native._bandwidth.read_bandwidth` with the same threads (a 1 GiB buffer, best of
-5, each thread's stream prefetched as the kernels prefetch theirs), measured in each tutel-jax round's process
-right after its batch-1 decode: a shared machine's bandwidth drifts by tens of percent over minutes, so a decode
-speed is set against the bandwidth of its own moment. `roofline_b1` = the bytes tutel-jax reads per decode step
-at batch 1 (`real_size.decode_bytes`) x tok/s / that round's read bandwidth. Medians over rounds (each round's
+The read bandwidth is `tutel_jax.native.ReadProbe` with the same threads (a 1 GiB buffer, each thread's stream
+prefetched as the kernels prefetch theirs), measured in each tutel-jax round's process between decode steps: after
+its batch-1 decode, 64 more batch-1 steps (after a 16-token prompt) each followed by one read (`real_size.
+paired_roofline`). A shared machine's bandwidth moves by 2x within minutes, so a decode speed is set against the
+bandwidth of its own moments: `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1
+(`real_size.decode_bytes`) x the tok/s of those paired steps (`roofline_b1_tok_s`, the median step) / the median of
+their reads (`read_bandwidth_bytes_per_s`). Medians over rounds (each round's
 figures are kept). Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
 """
 
@@ -60,6 +63,7 @@ from benchmarks.common import machine_info, markdown_table, write_json, write_te
 LLAMA_CPP_PYTHON = "0.3.36"  # its changelog names the vendored llama.cpp commit
 CONVERTER_REQUIREMENTS = ("torch==2.13.0+cpu", "transformers", "sentencepiece", "protobuf<5", "safetensors", "numpy")
 PROMPT, DECODE_B1, DECODE_B8, BATCH = 512, 64, 16, 8
+SHORT_PROMPT = 16  # the prompt of the decode runs (each of the batch-8 rows, in both systems)
 QUICK_PROMPT, QUICK_DECODE = 32, 4
 METRICS = ("decode_b1_tok_s", "prefill_512_tok_s", "decode_b8_tok_s", "peak_rss_bytes", "load_seconds")
 SERVE_CLIENTS, SERVE_REQUESTS, SERVE_MAX_TOKENS, SERVE_PROMPT, SERVE_SLOT_LEN = 4, 8, 8, 16, 256
@@ -200,8 +204,9 @@ def llama_cpp_round(bin_dir: Path, gguf: Path, threads: int, cpus: list[int], en
     prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] == PROMPT and r["n_gen"] == 0)
     decode = next(r["avg_ts"] for r in rows if r["n_gen"] == DECODE_B1 and r["n_prompt"] == 0)
     batched, _, rss_b = run_child([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads),
-                                     "-c", "4096", "-b", "512", "-ub", "512", "-npp", "128", "-ntg", str(DECODE_B1),
-                                     "-npl", str(BATCH), "--output-format", "jsonl"], cpus, env, 3600)
+                                     "-c", "4096", "-b", "512", "-ub", "512", "-npp", str(SHORT_PROMPT),
+                                     "-ntg", str(DECODE_B1), "-npl", str(BATCH), "--output-format", "jsonl"],
+                                    cpus, env, 3600)
     row = json.loads([line for line in batched.splitlines() if line.startswith("{")][-1])
     # load: the wall time of a run that only loads the model and evaluates one token, less that evaluation
     start = time.perf_counter()
@@ -231,11 +236,11 @@ def child(model_dir: Path, quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.real_size import Decoder, decode_bytes
+    from benchmarks.real_size import Decoder, decode_bytes, paired_roofline
     from tutel_jax import native
     from tutel_jax.experts import resolve_impl
     from tutel_jax.models import from_pretrained
-    from tutel_jax.native import CompactBf16, read_bandwidth
+    from tutel_jax.native import CompactBf16, ReadProbe
 
     prompt, steps_b1, steps_b8 = (QUICK_PROMPT, QUICK_DECODE, QUICK_DECODE) if quick else (PROMPT, DECODE_B1,
                                                                                          DECODE_B8)
@@ -246,16 +251,24 @@ def child(model_dir: Path, quick: bool) -> dict:
     dec = Decoder(model, prompt + steps_b1 + 8)
     ids = rng.integers(0, model.spec.vocab_size, (1, prompt))
     dec.run(ids, 1)  # compiles the prefill and the step at batch 1
-    ttft, times_b1, _ = dec.run(ids, steps_b1)
-    bandwidth = read_bandwidth(read_bandwidth_bytes(quick), len(os.sched_getaffinity(0)))
+    ttft = dec.run(ids, 0)[0]
+    # batch-1 decode from a short prompt (llama-bench's `-n` decodes from an empty cache)
+    short = ids[:, :SHORT_PROMPT]
+    dec.run(short, 0)  # compiles its prefill
+    _, times_b1, _ = dec.run(short, steps_b1)
     bytes_b1 = decode_bytes(model, 1)
-    ids8 = rng.integers(0, model.spec.vocab_size, (BATCH, 16))
+    # the roofline: as many batch-1 steps again, each followed by one read of the probe's buffer
+    probe = ReadProbe(read_bandwidth_bytes(quick), len(os.sched_getaffinity(0)))
+    roof = paired_roofline(dec, short, steps_b1, probe, bytes_b1)
+    del probe
+    ids8 = rng.integers(0, model.spec.vocab_size, (BATCH, SHORT_PROMPT))
     dec.run(ids8, 1)
     _, times_b8, _ = dec.run(ids8, steps_b8)
     return {"decode_b1_tok_s": 1 / statistics.median(times_b1), "prefill_512_tok_s": prompt / ttft,
             "decode_b8_tok_s": BATCH / statistics.median(times_b8), "load_seconds": load_s,
-            "bytes_per_step_b1": bytes_b1, "read_bandwidth_bytes_per_s": bandwidth,
-            "roofline_b1": bytes_b1 / statistics.median(times_b1) / bandwidth, "prompt_len": prompt, "isa": native.isa(),
+            "bytes_per_step_b1": bytes_b1, "read_bandwidth_bytes_per_s": roof["read_bytes_per_s"],
+            "roofline_b1_tok_s": 1 / roof["step_s"], "roofline_b1": roof["roofline"], "prompt_len": prompt,
+            "isa": native.isa(),
             "expert_path": resolve_impl("auto", model.moe_configs[0].experts),
             "dense_weights": "compact_bf16" if isinstance(model.params.get("lm_head"), CompactBf16) else "bfloat16"}
 
@@ -406,13 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     tj["isa"] = rounds_tj[0]["isa"]  # the native kernels' instruction set
     tj["expert_path"] = rounds_tj[0]["expert_path"]  # the default dropless path (native_int8: int8 activations)
     tj["dense_weights"] = rounds_tj[0]["dense_weights"]  # the default layout of the dense weights (compact_bf16)
-    tj["roofline_b1"] = statistics.median(r["roofline_b1"] for r in rounds_tj)
+    for key in ("roofline_b1", "roofline_b1_tok_s"):
+        tj[key] = statistics.median(r[key] for r in rounds_tj)
     bandwidth = statistics.median(r["read_bandwidth_bytes_per_s"] for r in rounds_tj)
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
-              "read_bandwidth_method": f"tutel_jax.native._bandwidth.read_bandwidth: {threads} threads, "
-                                       f"{read_bandwidth_bytes(args.quick) >> 20} MiB buffer, best of 5, "
-                                       "software prefetch 8 and 16 KB ahead; in each tutel-jax round right after "
-                                       "its batch-1 decode, median over rounds",
+              "read_bandwidth_method": f"tutel_jax.native.ReadProbe: {threads} threads, "
+                                       f"{read_bandwidth_bytes(args.quick) >> 20} MiB buffer, software prefetch 8 "
+                                       "and 16 KB ahead; one read after each of the batch-1 decode steps of the "
+                                       "roofline (the median of a round's reads), median over rounds",
               "prompt_len": rounds_tj[0]["prompt_len"], "tutel_jax": tj, "tutel_jax_rounds": rounds_tj,
               "machine": machine_info()}
     if rounds_ll:

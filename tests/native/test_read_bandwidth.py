@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tutel_jax.native._bandwidth import read_bandwidth, read_words
+from tutel_jax.native._bandwidth import ReadProbe, read_bandwidth, read_words
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
@@ -48,3 +48,13 @@ def test_bad_buffers_are_refused():
         read_words(np.zeros(12, np.uint64), 1)
     with pytest.raises(ValueError, match="uint64"):
         read_words(np.zeros(16, np.float64), 1)
+
+
+def test_read_probe_reads_its_buffer_on_every_call():
+    probe = ReadProbe(16 << 20, threads=2)
+    rates = [probe() for _ in range(3)] + [probe(reps=2)]
+    assert all(math.isfinite(r) and r > 0 for r in rates)
+    assert probe.words.nbytes == 16 << 20 and probe.threads == 2
+    probe.words[-1] = 0  # the pattern the last thread must see is gone: the read is refused
+    with pytest.raises(RuntimeError, match="read kernel saw"):
+        probe()

@@ -221,21 +221,24 @@ def test_requests_that_cannot_fit_a_row_are_refused(model):
             batcher.add(bad)
 
 
-@pytest.mark.parametrize("wait_ms", [0.0, 2000.0])
-def test_an_idle_engine_prefills_requests_sent_together_once(model, wait_ms):
-    """The server's continuous engine gathers jobs for batch_wait_ms after the first one into an idle engine:
-    four requests sent together share one prefill (without the wait the first one is prefilled alone); every
-    row still equals offline `generate`."""
+@pytest.mark.parametrize("wait_ms, last_step_s", [(0.0, 0.0), (2000.0, 0.0), (0.0, 4.0)])
+def test_an_idle_engine_prefills_requests_sent_together_once(model, wait_ms, last_step_s):
+    """The server's continuous engine gathers jobs after the first one into an idle engine, for batch_wait_ms
+    or a quarter of its last decode step (here set to last_step_s), whichever is longer: four requests sent
+    together share one prefill (without a wait the first one is prefilled alone); every row still equals
+    offline `generate`."""
     import concurrent.futures
     import threading
 
-    from tutel_jax.serving._engines import ContinuousEngine, Job
+    from tutel_jax.serving._engines import GATHER_STEP_FRACTION, ContinuousEngine, Job
     from tutel_jax.serving._server_config import ServerConfig
 
     prompts = _prompts([3, 5, 4, 6], seed=3)
     ref = _references(model, prompts, 3)
     engine = ContinuousEngine(model, ServerConfig(max_batch_size=4, batch_wait_ms=wait_ms), max_len=32)
     engine.start()
+    engine.batcher.last_decode_s = last_step_s
+    assert engine.gather_window_s() == max(wait_ms / 1000, GATHER_STEP_FRACTION * last_step_s)
     try:
         jobs = [Job([p], 1, 3, 0.0, None, None, concurrent.futures.Future()) for p in prompts]
         engine.submit(jobs[0])  # wakes the idle worker; the others follow from another thread, a little later
@@ -244,6 +247,7 @@ def test_an_idle_engine_prefills_requests_sent_together_once(model, wait_ms):
         later.join()
         assert [j.future.result(timeout=300)[0][0] for j in jobs] == ref
         prefills = engine.stats()["prefills"]
+        assert engine.batcher.last_decode_s > 0  # the steps that ran set it
     finally:
         engine.stop()
-    assert prefills == 1 if wait_ms else prefills >= 2, prefills
+    assert prefills == 1 if wait_ms or last_step_s else prefills >= 2, prefills

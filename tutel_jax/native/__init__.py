@@ -7,11 +7,11 @@ from ._build import NativeKernelError, isa, isa_in_effect
 from ._dense import compact_pays_off, dense, worth_it
 from ._compact_bf16 import CompactBf16, compact_bf16
 from ._moe import moe_experts, ensure_registered
-from ._bandwidth import read_bandwidth
+from ._bandwidth import ReadProbe, read_bandwidth
 from ._weights import int8_by_default
 from ._attention import ATTENTION_IMPLS, attends_natively, check_attention_impl, decode_attention
 
 __all__ = ["CompactBf16", "compact_bf16", "compact_pays_off", "ATTENTION_IMPLS", "attends_natively",
            "check_attention_impl", "decode_attention", "ensure_registered",
-           "int8_by_default", "isa_in_effect", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa",
+           "int8_by_default", "isa_in_effect", "ReadProbe", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa",
            "moe_experts"]

@@ -2,12 +2,15 @@
 weight once per token).
 
     read_bandwidth(nbytes=1 GiB, threads=None, reps=5) -> bytes per second
+    probe = ReadProbe(nbytes, threads); probe() -> bytes per second of one more read of the same buffer
 
 `threads` threads (default: this process's usable CPUs) each read one contiguous slice of one buffer with vector
 loads and the kernels' software prefetch of a stream (`read_bandwidth.cc`, built like the other native kernels:
 a read at its best, which no kernel outruns); the best of `reps` passes counts. The buffer is
 larger than any cache, so the figure is DRAM's, as a multi-threaded kernel sees it: a copy bandwidth (read plus
-write, one core) understates it.
+write, one core) understates it. On a shared host the figure moves with the neighbours' traffic (13-28 GB/s
+within minutes on one 2-core cloud machine): `ReadProbe` keeps its buffer, so that reads can be interleaved with
+the steps they are the roofline of (a read after each decode step: both measured at the same moments).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ..core import empty_aligned, usable_cpus
 from ..validation import check_int
 from ._build import load
 
-__all__ = ["read_bandwidth", "read_words"]
+__all__ = ["ReadProbe", "read_bandwidth", "read_words"]
 
 _PATTERN = 0x0102040810204080  # one bit per byte lane: the OR of every word proves every word was read
 
@@ -39,17 +42,28 @@ def read_words(words: np.ndarray, threads: int, reps: int = 1) -> tuple[float, i
     return seconds, seen.value
 
 
+class ReadProbe:
+    """A buffer of `nbytes` (rounded down to whole 64-byte lines) read by `threads` threads (default: this
+    process's usable CPUs) on each call: bytes per second of the best of `reps` passes. RuntimeError if the
+    kernel did not read every word."""
+
+    def __init__(self, nbytes: int = 1 << 30, threads: int | None = None):
+        check_int(nbytes, "nbytes", minimum=64)
+        check_int(threads, "threads", minimum=1, optional=True)
+        nbytes -= nbytes % 64
+        self.threads = threads or usable_cpus()
+        self.words = empty_aligned((nbytes // 8,), np.uint64)
+        self.words[:] = 0  # touches every page
+        self.words[-1] = _PATTERN  # the last thread's last word
+
+    def __call__(self, reps: int = 1) -> float:
+        check_int(reps, "reps", minimum=1)
+        seconds, seen = read_words(self.words, self.threads, reps)
+        if seen != _PATTERN:
+            raise RuntimeError(f"the read kernel saw {seen:#x}, expected {_PATTERN:#x}")
+        return self.words.nbytes / seconds
+
+
 def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5) -> float:
-    """Bytes per second of the best of `reps` multi-threaded reads of an `nbytes` buffer (rounded down to whole
-    64-byte lines). RuntimeError if the kernel did not read every word."""
-    check_int(nbytes, "nbytes", minimum=64)
-    check_int(threads, "threads", minimum=1, optional=True)
-    check_int(reps, "reps", minimum=1)
-    nbytes -= nbytes % 64
-    words = empty_aligned((nbytes // 8,), np.uint64)
-    words[:] = 0  # touches every page
-    words[-1] = _PATTERN  # the last thread's last word
-    seconds, seen = read_words(words, threads or usable_cpus(), reps)
-    if seen != _PATTERN:
-        raise RuntimeError(f"the read kernel saw {seen:#x}, expected {_PATTERN:#x}")
-    return nbytes / seconds
+    """Bytes per second of the best of `reps` multi-threaded reads of an `nbytes` buffer (`ReadProbe`)."""
+    return ReadProbe(nbytes, threads)(reps)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -162,6 +163,7 @@ class ContinuousBatcher:
         self.state = _Rows(max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.decode_steps = 0
+        self.last_decode_s = 0.0  # the last decode step's seconds, its tokens read back (0: none yet)
         self.prefills = 0
         self.context = model_context(model)
 
@@ -266,10 +268,12 @@ class ContinuousBatcher:
         s, R = self.state, self._decode_rows()
         steps = np.array([len(r.tokens) if r is not None else 0 for r in self.slots[:R]], np.int32)
         live = np.array([r is not None for r in self.slots[:R]])  # free rows skip the experts
+        start = time.perf_counter()
         toks, ok, _, self.cache = decode_step(self.model.forward_fn, self.model.params, s.tok[:R], s.index[:R],
                                               steps, self.cache, s.sampling_of(R), None, live)
         self.decode_steps += 1
         toks, ok = np.asarray(toks), np.asarray(ok)
+        self.last_decode_s = time.perf_counter() - start
         return [req for req in list(self.slots)
                 if req is not None and self._deliver(req, int(toks[req.row]), bool(ok[req.row]))]
 

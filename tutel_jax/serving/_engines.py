@@ -27,6 +27,9 @@ from ._tokenizer import IncrementalDecoder, TextCodec
 
 log = logging.getLogger("tutel_jax.serving")
 
+#: an idle continuous engine gathers jobs for up to this fraction of its last decode step (at least batch_wait_ms)
+GATHER_STEP_FRACTION = 0.25
+
 __all__ = ["Completion", "ContinuousEngine", "Engine", "Job", "QueueFull", "finish_completion"]
 
 Completion = tuple[list[int], str, str]  # (token ids, text, finish_reason) of one choice after stop handling
@@ -170,10 +173,10 @@ class _Worker:
                                                       type="server_error"))
             self._pending = []
 
-    def _gather(self):
-        """With the lock held and a job pending: waits up to cfg.batch_wait_ms for more jobs (until
-        cfg.max_batch_size rows are pending), so that requests sent together start together."""
-        deadline = time.monotonic() + self.cfg.batch_wait_ms / 1000.0
+    def _gather(self, wait_s: float | None = None):
+        """With the lock held and a job pending: waits up to wait_s (default: cfg.batch_wait_ms) for more jobs
+        (until cfg.max_batch_size rows are pending), so that requests sent together start together."""
+        deadline = time.monotonic() + (self.cfg.batch_wait_ms / 1000.0 if wait_s is None else wait_s)
         while not self._stop and sum(j.rows for j in self._pending) < self.cfg.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -286,8 +289,11 @@ class ContinuousEngine(_Worker):
     on other traffic (unseeded jobs draw a random seed). batches_run counts busy periods (from an admission
     into an idle engine until it is idle again); decode_steps and prefills the steps run. cfg.row_buckets: decode
     steps run only the leading power-of-two rows holding running requests (see ContinuousBatcher). An idle
-    engine gathers jobs for cfg.batch_wait_ms after the first one, so that requests sent together share one
-    prefill instead of the first one's prefill and decode steps delaying the others'."""
+    engine gathers jobs after the first one, so that requests sent together share one prefill instead of the
+    first one's prefill and decode steps delaying the others': for cfg.batch_wait_ms, or GATHER_STEP_FRACTION
+    of the last decode step when that is longer (clients answered by one step send their next requests over
+    some milliseconds; where a step takes 100s of ms, as on a CPU, a request that misses a 5 ms window costs the
+    others a prefill of its own, while waiting costs a lone request at most that fraction of a step)."""
 
     def __init__(self, model, cfg: ServerConfig, pad_token_id: int = 0, codec: TextCodec | None = None,
                  max_len: int = 256):
@@ -305,6 +311,11 @@ class ContinuousEngine(_Worker):
         self.submit(job)
         return job.future.result()
 
+    def gather_window_s(self) -> float:
+        """How long an idle engine gathers jobs after the first one (see the class docstring)."""
+        last = 0.0 if self.batcher is None else self.batcher.last_decode_s
+        return max(self.cfg.batch_wait_ms / 1000.0, GATHER_STEP_FRACTION * last)
+
     def stats(self) -> dict:
         return {"batches_run": self.batches_run,
                 "decode_steps": 0 if self.batcher is None else self.batcher.decode_steps,
@@ -319,7 +330,7 @@ class ContinuousEngine(_Worker):
                 if not self._pending and b.idle:  # stopping, and everything is answered
                     break
                 if b.idle:  # a busy period starts: requests sent together are prefilled together
-                    self._gather()
+                    self._gather(self.gather_window_s())
                 jobs, self._pending = self._pending, []
             if jobs and b.idle:
                 self.batches_run += 1

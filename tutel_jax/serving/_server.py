@@ -81,7 +81,8 @@ def _parser():
                         "at startup for the --warmup-batch-sizes); --no-row-buckets: always all rows, one "
                         "compile")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=5.0,
-                   help="how long requests are gathered after the first one (continuous: into an idle engine)")
+                   help="how long requests are gathered after the first one (continuous: into an idle engine, "
+                        "at least a quarter of its last decode step)")
     p.add_argument("--max-queue", type=int_at_least(1), default=256,
                    help="requests waiting or running; beyond: 429")
     p.add_argument("--max-tokens", type=int_at_least(1), default=512, help="upper bound on a request's max_tokens")

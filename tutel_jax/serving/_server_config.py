@@ -16,7 +16,7 @@ class ServerConfig:
     max_batch_size: int = 16        # rows (prompts x n) per generate call / continuous cache rows; a request's
                                     # prompts x n must fit it
     batch_wait_ms: float = 5.0      # how long the worker gathers requests after the first one (continuous: of
-                                    # an idle engine)
+                                    # an idle engine, at least a quarter of its last decode step)
     batching: str = "continuous"    # or "bucketed"
     max_len: int | None = None      # continuous: cache slots per row (default: the context, at most 2048);
                                     # it also caps prompt + max_tokens
