@@ -12,6 +12,5 @@ from ._weights import int8_by_default
 from ._attention import ATTENTION_IMPLS, attends_natively, check_attention_impl, decode_attention
 
 __all__ = ["CompactBf16", "compact_bf16", "compact_pays_off", "ATTENTION_IMPLS", "attends_natively",
-           "check_attention_impl", "decode_attention", "ensure_registered",
-           "int8_by_default", "isa_in_effect", "ReadProbe", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa",
-           "moe_experts"]
+           "check_attention_impl", "decode_attention", "ensure_registered", "int8_by_default", "isa_in_effect",
+           "ReadProbe", "read_bandwidth", "worth_it", "NativeKernelError", "dense", "isa", "moe_experts"]

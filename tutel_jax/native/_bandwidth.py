@@ -5,8 +5,9 @@ weight once per token).
     probe = ReadProbe(nbytes, threads); probe() -> bytes per second of one more read of the same buffer
 
 `threads` threads (default: this process's usable CPUs) each read one contiguous slice of one buffer with vector
-loads and the kernels' software prefetch of a stream (`read_bandwidth.cc`, built like the other native kernels:
-a read at its best, which no kernel outruns); the best of `reps` passes counts. The buffer is
+loads and the kernels' software prefetch of a stream (`read_bandwidth.cc`, built like the other native kernels;
+on one AMD Zen 3 host a decode step's kernels at times read a little faster than it); the best of `reps` passes
+counts. The buffer is
 larger than any cache, so the figure is DRAM's, as a multi-threaded kernel sees it: a copy bandwidth (read plus
 write, one core) understates it. On a shared host the figure moves with the neighbours' traffic (13-28 GB/s
 within minutes on one 2-core cloud machine): `ReadProbe` keeps its buffer, so that reads can be interleaved with
