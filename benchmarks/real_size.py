@@ -15,8 +15,8 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
   TTFT    a --prompt-len prompt (random ids, batch 1): prefill + the first greedy token, after a compiling run;
   decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
   read    the streaming read bandwidth with the process's CPUs as threads (`native.ReadProbe`: a 1 GiB buffer,
-          prefetched as the kernels prefetch), with the model resident: one read after each of --decode-steps
-          more decode steps at each batch (`paired_roofline`: the bandwidth at the moments the steps run; the
+          prefetched as the kernels prefetch), with the model resident: a read (the best of 2 passes) after each
+          of --decode-steps more decode steps at each batch (`paired_roofline`: the bandwidth at the moments the steps run; the
           reads' median); also a copy bandwidth (np.copyto of 256 MiB buffers, one thread, STREAM's convention:
           bytes read + written per second), for comparison;
   roofline  bytes read per decode step / step time / read bandwidth, the steps and reads of those paired runs
@@ -240,15 +240,16 @@ def decode_bytes(model: Any, batch: int) -> float:
     return total
 
 
-def paired_roofline(dec: Decoder, ids: np.ndarray, steps: int, probe: Callable[[], float],
-                    bytes_per_step: float) -> dict[str, float]:
-    """`steps` greedy decode steps after the prompts ids [B, T], each followed by one read of `probe`
-    (`native.ReadProbe`: a buffer larger than any cache, the same threads): the bandwidth the host gives at the
-    moments the steps run (on a shared host it moves by 2x within minutes, so a read taken at another moment is
-    not the steps' roofline). Returns the steps' median seconds (`step_s`), the reads' median bytes per second
-    (`read_bytes_per_s`) and `roofline` = bytes_per_step / step_s / read_bytes_per_s."""
+def paired_roofline(dec: Decoder, ids: np.ndarray, steps: int, probe: Any, bytes_per_step: float,
+                    reps: int = 2) -> dict[str, float]:
+    """`steps` greedy decode steps after the prompts ids [B, T], each followed by a read of `probe`
+    (`native.ReadProbe`: a buffer larger than any cache, the same threads; the best of `reps` passes): the
+    bandwidth the host gives at the moments the steps run (on a shared host it moves by 2x within minutes, so a
+    read taken at another moment is not the steps' roofline). Returns the steps' median seconds (`step_s`), the
+    reads' median bytes per second (`read_bytes_per_s`) and `roofline` = bytes_per_step / step_s /
+    read_bytes_per_s."""
     reads: list[float] = []
-    _, times, _ = dec.run(ids, steps, after_step=lambda: reads.append(probe()))
+    _, times, _ = dec.run(ids, steps, after_step=lambda: reads.append(probe(reps)))
     step_s, read = float(np.median(times)), float(np.median(reads))
     return {"step_s": step_s, "read_bytes_per_s": read, "roofline": bytes_per_step / step_s / read}
 

@@ -117,7 +117,11 @@ def test_other_block_sizes_give_the_same_logits(tmp_path, layers_per_program, ki
 
 def test_auto_picks_per_layer_programs_for_deep_models(tmp_path):
     assert not from_pretrained(HF / "gpt_oss").per_layer_jit  # 2 layers
-    path, tensors = _deep_gpt_oss(tmp_path, PER_LAYER_MIN_LAYERS)
+    (tmp_path / "shallower").mkdir()
+    path, tensors = _deep_gpt_oss(tmp_path / "shallower", PER_LAYER_MIN_LAYERS - 2)
+    assert not from_pretrained(path, tensors=tensors).per_layer_jit  # one program below the threshold
+    (tmp_path / "deep").mkdir()
+    path, tensors = _deep_gpt_oss(tmp_path / "deep", PER_LAYER_MIN_LAYERS)
     deep = from_pretrained(path, tensors=tensors)
     assert deep.per_layer_jit and isinstance(deep.forward_fn, layer_programs.LayerPrograms)
     ids = jnp.asarray(np.arange(10).reshape(2, 5), jnp.int32)

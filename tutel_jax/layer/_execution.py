@@ -23,7 +23,7 @@ __all__ = ["KERNEL_BACKENDS", "PLATFORMS", "PER_LAYER_JIT", "MODEL_KNOBS", "Exec
 
 #: the knobs a loaded model applies (`from_pretrained`'s arguments); the others are expert-parallel training's
 MODEL_KNOBS = ("kernel_backend", "dropless_impl", "dense_impl", "attention_impl", "per_layer_jit")
-#: command-line spellings of `per_layer_jit` ('auto': one program per kind of layer from 8 layers on)
+#: command-line spellings of `per_layer_jit` ('auto': one program per kind of layer from 32 layers on)
 PER_LAYER_JIT = {"auto": "auto", "on": True, "off": False}
 
 
@@ -41,7 +41,7 @@ class Execution:
       attention_impl: a model's decode-step attention: 'auto', 'xla' or 'native' (`native.attends_natively`).
       dropless_exchange: how a dropless plan crosses devices: one of call_options.DROPLESS_EXCHANGES.
       per_layer_jit: models: one compiled program per kind of layer (True), one for the whole model (False), or
-        'auto' (per layer from 8 layers on).
+        'auto' (per layer from 32 layers on).
       a2a_ffn_overlap_degree: chunks of the capacity axis for all_to_all / expert overlap (>= 1).
       use_2dh: hierarchical all_to_all over a (node, local) pair of expert axes.
       adaptive_r: Tutel's r for experts shared by several devices (0 or a divisor of the sharded count).
@@ -99,7 +99,7 @@ _FLAGS = (
      "decode-step attention: auto (default), xla, native (CPU kernel: cache update and attention in one call)"),
     ("--dropless-exchange", "dropless_exchange",
      f"how a dropless plan crosses devices: {', '.join(DROPLESS_EXCHANGES)}"),
-    ("--per-layer-jit", "per_layer_jit", "one program per kind of layer: auto (default: from 8 layers), on, off"),
+    ("--per-layer-jit", "per_layer_jit", "one program per kind of layer: auto (default: from 32 layers), on, off"),
     ("--a2a-overlap-degree", "a2a_ffn_overlap_degree", "chunks of the capacity axis overlapping all_to_all (>= 1)"),
     ("--use-2dh", "use_2dh", "hierarchical all_to_all over (node, local) expert axes: on or off"),
     ("--adaptive-r", "adaptive_r", "Tutel's r for experts shared by several devices (0 or a divisor)"),
