@@ -16,9 +16,9 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
   decode  --decode-steps greedy steps at batch 1 and 8 after a compiling one: tokens/s;
   read    the streaming read bandwidth with the process's CPUs as threads (`native.ReadProbe`: a 1 GiB buffer,
           prefetched as the kernels prefetch), with the model resident: a read (the best of 2 passes) after each
-          of --decode-steps more decode steps at each batch (`paired_roofline`: the bandwidth at the moments the steps run; the
-          reads' median); also a copy bandwidth (np.copyto of 256 MiB buffers, one thread, STREAM's convention:
-          bytes read + written per second), for comparison;
+          of --decode-steps more decode steps at each batch (`paired_roofline`: the bandwidth at the moments the
+          steps run; the reads' median); also a copy bandwidth (np.copyto of 256 MiB buffers, one thread,
+          STREAM's convention: bytes read + written per second), for comparison;
   roofline  bytes read per decode step / step time / read bandwidth, the steps and reads of those paired runs
           (medians; the copy ratio: the decode run's steps). Bytes per step: every non-expert weight
           (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:

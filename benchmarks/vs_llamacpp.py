@@ -32,11 +32,11 @@ outside the repository):
 The read bandwidth is `tutel_jax.native.ReadProbe` with the same threads (a 1 GiB buffer, each thread's stream
 prefetched as the kernels prefetch theirs), measured in each tutel-jax round's process between decode steps: after
 its batch-1 decode, 64 more batch-1 steps (after a 16-token prompt) each followed by a read, the best of two
-passes (`real_size.paired_roofline`). A shared machine's bandwidth moves by 2x within minutes, so a decode speed is set against the
-bandwidth of its own moments: `roofline_b1` = the bytes tutel-jax reads per decode step at batch 1
-(`real_size.decode_bytes`) x the tok/s of those paired steps (`roofline_b1_tok_s`, the median step) / the median of
-their reads (`read_bandwidth_bytes_per_s`). Medians over rounds (each round's
-figures are kept). Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
+passes (`real_size.paired_roofline`). A shared machine's bandwidth moves by 2x within minutes, so a decode speed
+is set against the bandwidth of its own moments: `roofline_b1` = the bytes tutel-jax reads per decode step at
+batch 1 (`real_size.decode_bytes`) x the tok/s of those paired steps (`roofline_b1_tok_s`, the median step) / the
+median of their reads (`read_bandwidth_bytes_per_s`). Medians over rounds (each round's figures are kept).
+Writes benchmarks/results/vs_llamacpp.{json,md} (--quick: --out).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def child(model_dir: Path, quick: bool) -> dict:
     dec.run(short, 0)  # compiles its prefill
     _, times_b1, _ = dec.run(short, steps_b1)
     bytes_b1 = decode_bytes(model, 1)
-    # the roofline: as many batch-1 steps again, each followed by one read of the probe's buffer
+    # the roofline: as many batch-1 steps again, each followed by a read of the probe's buffer
     probe = ReadProbe(read_bandwidth_bytes(quick), len(os.sched_getaffinity(0)))
     roof = paired_roofline(dec, short, steps_b1, probe, bytes_b1)
     del probe
@@ -425,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": model, "threads": threads, "rounds": args.rounds, "read_bandwidth_bytes_per_s": bandwidth,
               "read_bandwidth_method": f"tutel_jax.native.ReadProbe: {threads} threads, "
                                        f"{read_bandwidth_bytes(args.quick) >> 20} MiB buffer, software prefetch 8 "
-                                       "and 16 KB ahead; a read (the best of 2 passes) after each of the batch-1 decode "
-                                       "steps of the roofline (the median of a round's reads), median over rounds",
+                                       "and 16 KB ahead; a read (the best of 2 passes) after each of the batch-1 "
+                                       "decode steps of the roofline (the median of a round's reads), median over "
+                                       "rounds",
               "prompt_len": rounds_tj[0]["prompt_len"], "tutel_jax": tj, "tutel_jax_rounds": rounds_tj,
               "machine": machine_info()}
     if rounds_ll:
