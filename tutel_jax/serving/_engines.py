@@ -173,10 +173,14 @@ class _Worker:
                                                       type="server_error"))
             self._pending = []
 
-    def _gather(self, wait_s: float | None = None):
-        """With the lock held and a job pending: waits up to wait_s (default: cfg.batch_wait_ms) for more jobs
-        (until cfg.max_batch_size rows are pending), so that requests sent together start together."""
-        deadline = time.monotonic() + (self.cfg.batch_wait_ms / 1000.0 if wait_s is None else wait_s)
+    def gather_window_s(self) -> float:
+        """How long the worker gathers jobs after the first one: cfg.batch_wait_ms."""
+        return self.cfg.batch_wait_ms / 1000.0
+
+    def _gather(self):
+        """With the lock held and a job pending: waits up to `gather_window_s()` for more jobs (until
+        cfg.max_batch_size rows are pending), so that requests sent together start together."""
+        deadline = time.monotonic() + self.gather_window_s()
         while not self._stop and sum(j.rows for j in self._pending) < self.cfg.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -314,7 +318,7 @@ class ContinuousEngine(_Worker):
     def gather_window_s(self) -> float:
         """How long an idle engine gathers jobs after the first one (see the class docstring)."""
         last = 0.0 if self.batcher is None else self.batcher.last_decode_s
-        return max(self.cfg.batch_wait_ms / 1000.0, GATHER_STEP_FRACTION * last)
+        return max(super().gather_window_s(), GATHER_STEP_FRACTION * last)
 
     def stats(self) -> dict:
         return {"batches_run": self.batches_run,
@@ -330,7 +334,7 @@ class ContinuousEngine(_Worker):
                 if not self._pending and b.idle:  # stopping, and everything is answered
                     break
                 if b.idle:  # a busy period starts: requests sent together are prefilled together
-                    self._gather(self.gather_window_s())
+                    self._gather()
                 jobs, self._pending = self._pending, []
             if jobs and b.idle:
                 self.batches_run += 1
