@@ -2,14 +2,15 @@
 
 Triton lives in its own environment (its LLVM must not meet jaxlib's), so the compile runs in subprocesses of
 that environment's Python (`_worker.py`), found from `TUTEL_JAX_TRITON_PYTHON`. Equal kernels (same module text
-and launch parameters) compile once per target, and results are cached on disk by that hash, so a rerun only
-compiles what changed.
+and launch parameters) compile once per target, and results are cached on disk by that hash, the triton version and
+the compile worker's own source, so a rerun only compiles what changed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -161,7 +162,8 @@ def compile_kernels(
     cache = Path(cache_dir)
     (cache / "results").mkdir(parents=True, exist_ok=True)
     (cache / "ttir").mkdir(parents=True, exist_ok=True)
-    version = triton_version(python) or "unknown"
+    # a result holds for this kernel, this triton and this worker (which judges spills and shared memory)
+    version = f"{triton_version(python) or 'unknown'}-{hashlib.sha256(_WORKER.read_bytes()).hexdigest()[:12]}"
     order: list[tuple[TritonKernel, Target]] = []
     seen = set()
     for kernel, target in items:
