@@ -8,7 +8,7 @@ from importlib.metadata import version
 # less time over the suite (the programs' results are the same in kind; they run a little slower)
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # jaxlib 0.10's XLA:CPU emits fusions through MLIR by default; its older emitters compile a test's small programs in
-# about 40% less time again. Later jaxlibs have no such flag (and abort on an unknown one), so it is added for 0.10 only.
+# about 40% less time again. Later jaxlibs have no such flag (and abort on an unknown one): added for 0.10 only.
 OLD_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
