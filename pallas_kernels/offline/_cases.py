@@ -75,9 +75,7 @@ def _quantized(weight_format: str, shape: tuple[int, ...]) -> Any:
     if weight_format == "nvfp4_modelopt":
         w = jax.eval_shape(quant.quantize_nvfp4, SDS(shape, F32))
         return type(w)(w.packed, w.scale, w.global_scale, True)
-    quantize = {"fp8_block": quant.quantize_fp8_block, "mxfp4": quant.quantize_mxfp4,
-                "nvfp4": quant.quantize_nvfp4}[weight_format]
-    return jax.eval_shape(quantize, SDS(shape, F32))
+    return jax.eval_shape(quant.FORMATS[weight_format].quantize, SDS(shape, F32))
 
 
 def _router(family: ModelFamily, tokens: int) -> Case:
@@ -155,7 +153,7 @@ def tiling_cases(target: str) -> list[Case]:
         cases.append(Case(f"tiling/tgmm/{label}", fn, (SDS((512, 512), dtype), SDS((512, 384), dtype), sizes), 1))
     for label, cfg in quant_tilings(target).items():
         dtype = F32 if "f32" in label else BF16
-        for fmt in ("fp8_block", "mxfp4", "nvfp4", "nvfp4_modelopt"):
+        for fmt in (*quant.FORMATS, "nvfp4_modelopt"):
             fn = lambda x, w, g, cfg=cfg: quant_gmm(x, w, g, implementation="pallas", config=cfg)
             cases.append(Case(f"tiling/quant_gmm_{fmt}/{label}", fn,
                               (SDS((512, 512), dtype), _quantized(fmt, (8, 384, 512)), sizes), 1))

@@ -23,8 +23,7 @@ S, E, M, K, N, G = 300, 64, 256, 512, 384, 8
 
 
 def _quantized(fmt: str, shape):
-    quantize = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}[fmt]
-    return jax.eval_shape(quantize, SDS(shape, F32))
+    return jax.eval_shape(pk.quant.FORMATS[fmt].quantize, SDS(shape, F32))
 
 
 def _cases():
@@ -53,7 +52,7 @@ def _cases():
         "tgmm": (lambda a, b, g: pk.tgmm(a, b, g, implementation="pallas"),
                  [SDS((S, K), BF16), SDS((S, N), BF16), SDS((G,), I32)], 1),
     }
-    for fmt in ("fp8_block", "mxfp4", "nvfp4"):
+    for fmt in pk.quant.FORMATS:
         cases[f"quant_matmul_decode_{fmt}"] = (  # M = 8: split-K
             lambda x, w: pk.quant_matmul(x, w, implementation="pallas"), [SDS((8, K), BF16), _quantized(fmt, (N, K))], 1)
         cases[f"quant_gmm_{fmt}"] = (

@@ -102,7 +102,7 @@ def test_low_nibble_is_the_even_element():
 
 
 @pytest.mark.parametrize("quantize, tol", [(pk.quantize_fp8_block, 0.07), (pk.quantize_mxfp4, 0.2),
-                                           (pk.quantize_nvfp4, 0.2)])
+                                           (pk.quantize_nvfp4, 0.2), (pk.quantize_int8, 0.5 / 127)])
 def test_quantizers_round_trip(quantize, tol):
     w = random_normal(0, (2, 48, 160))
     q = jax.jit(quantize)(w)
@@ -114,8 +114,7 @@ def test_quantizers_round_trip(quantize, tol):
 # ------------------------------------------------------------------------------------------------ kernels
 
 # jitted: one compile instead of many eager ops
-FORMATS = {"fp8_block": jax.jit(pk.quantize_fp8_block), "mxfp4": jax.jit(pk.quantize_mxfp4),
-           "nvfp4": jax.jit(pk.quantize_nvfp4)}
+FORMATS = {name: jax.jit(fmt.quantize) for name, fmt in pk.quant.FORMATS.items()}
 SMALL = pk.GmmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
 SPLIT = pk.GmmConfig(block_m=16, block_n=32, block_k=32, split_k=2, num_warps=4, num_stages=1)
 

@@ -37,7 +37,7 @@ from support.kernels import assert_close, random_normal
 TPU = "tpu_interpret"
 F32_TOL = 1e-5
 BF16_OUT_TOL = 8e-3
-QUANTIZE = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}
+QUANTIZE = {name: fmt.quantize for name, fmt in pk.quant.FORMATS.items()}
 
 
 def _weight(fmt: str, seed: int, shape) -> object:
@@ -60,6 +60,8 @@ CASES = [
     ("mxfp4", jnp.bfloat16, 24, 544, 64, [24, 0], None),                  # K past one 512-column chunk
     ("nvfp4", jnp.float32, 33, 48, 16, [0, 0, 33], None),                 # only the last group has rows
     ("nvfp4", jnp.bfloat16, 37, 80, 136, [5, 9, 0, 13], (16, 128)),       # 10 rows past the sum, N tail
+    ("int8", jnp.float32, 50, 200, 136, [10, 0, 17, 20], (16, 128)),       # K and N tails, rows past the sum
+    ("int8", jnp.bfloat16, 24, 544, 64, [24, 0], None),                   # K past one 512-column chunk
 ]
 
 
@@ -184,7 +186,7 @@ def _sharded(mesh, tree, spec=P()):
 
 
 @pytest.mark.parametrize("fmt, dtype", [("fp8_block", jnp.bfloat16), ("fp8_block", jnp.float32),
-                                        ("mxfp4", jnp.bfloat16), ("nvfp4", jnp.bfloat16)])
+                                        ("mxfp4", jnp.bfloat16), ("nvfp4", jnp.bfloat16), ("int8", jnp.bfloat16)])
 def test_default_op_in_shard_map_compiles_to_mosaic(v5p_mesh, fmt, dtype):
     mesh = v5p_mesh
     n = mesh.devices.size

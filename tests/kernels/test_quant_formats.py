@@ -10,16 +10,25 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.quant import FORMATS, format_for_method, format_of
+from pallas_kernels.quant import FORMATS, format_for_config, format_of
 from pallas_kernels.quant.formats import TensorSite
 
-CODES = {"U8": np.dtype(np.uint8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F32": np.dtype(np.float32)}
+CODES = {"U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+         "F32": np.dtype(np.float32)}
+#: compressed-tensors int8 (W8A8, llm-compressor's layout): per-channel symmetric weights, dynamic activations
+INT8_GROUPS = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                              "strategy": "channel", "dynamic": False},
+                           "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}
 EXPERTS, OUT, IN = 2, 48, 64
 
 
 def _config(fmt) -> dict:
-    method = fmt.hf_methods[0]
-    return {"quant_method": method, **({"format": "nvfp4-pack-quantized"} if method == "compressed-tensors" else {})}
+    q = {"quant_method": fmt.hf_methods[0]}
+    if fmt.hf_formats:
+        q["format"] = fmt.hf_formats[0]
+    if fmt.name == "int8":
+        q["config_groups"] = INT8_GROUPS
+    return q
 
 
 def _site_and_weight(fmt, rng):
@@ -38,7 +47,7 @@ def test_format_record_round_trip(name):
     rng = np.random.default_rng(0)
     site, w = _site_and_weight(fmt, rng)
     q = _config(fmt)
-    assert format_for_method(q["quant_method"]) is fmt
+    assert format_for_config(q) is fmt
     fmt.check_hf_config(q)
 
     container = fmt.quantize(jnp.asarray(w))
@@ -92,3 +101,56 @@ def test_reader_rejects_parts_that_do_not_fit():
         fmt.from_parts(parts, [names[n] for n in parts.names], {})
     with pytest.raises(ValueError, match="lacks"):
         fmt.find_parts("y.weight_packed", {"y.weight_packed": None})
+
+
+def test_compressed_tensors_format_picks_the_format():
+    ct = "compressed-tensors"
+    assert format_for_config({"quant_method": ct, "format": "int-quantized"}) is FORMATS["int8"]
+    assert format_for_config({"quant_method": ct, "format": "nvfp4-pack-quantized"}) is FORMATS["nvfp4"]
+    assert format_for_config({"quant_method": ct}) is FORMATS["nvfp4"]  # no `format`: NVFP4, as before int8
+    assert format_for_config({"quant_method": "fp8", "format": "int-quantized"}) is FORMATS["fp8_block"]
+    assert format_for_config({"quant_method": "awq"}) is None
+    for bad in ("pack-quantized", "float-quantized", 8):
+        with pytest.raises(ValueError, match=r"quantization_config.format: unsupported compressed-tensors format "
+                                             r".*supported: int-quantized, nvfp4-pack-quantized"):
+            format_for_config({"quant_method": ct, "format": bad})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": "naive-quantized"}, r"format: expected one of \('int-quantized',\), got 'naive-quantized'"),
+    ({"config_groups": {}}, "config_groups: expected an object of one or more groups"),
+    ({"config_groups": {"g": {"weights": None}}}, r"config_groups.g.weights: expected an object"),
+    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "num_bits": 4}}}},
+     r"config_groups.g.weights.num_bits: expected 8, got 4"),
+    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "strategy": "group"}}}},
+     r"config_groups.g.weights.strategy: expected 'channel', got 'group'"),
+    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "symmetric": False}}}},
+     r"config_groups.g.weights.symmetric: expected True, got False"),
+    ({"config_groups": {"g": {"weights": INT8_GROUPS["group_0"]["weights"],
+                              "input_activations": {"num_bits": 8, "dynamic": False}}}},
+     r"config_groups.g.input_activations: expected null or dynamic quantization"),
+])
+def test_int8_config_names_the_key_it_cannot_read(change, message):
+    q = {**_config(FORMATS["int8"]), **change}
+    with pytest.raises(ValueError, match=message):
+        FORMATS["int8"].check_hf_config(q)
+
+
+def test_int8_reader_rejects_what_it_cannot_read():
+    fmt = FORMATS["int8"]
+    w = np.zeros((4, 8), np.int8)
+    names = {"x.weight": w, "x.weight_scale": np.ones((4, 1), np.float32)}
+    parts = fmt.find_parts("x.weight_scale", names)
+    assert parts.names == ("x.weight", "x.weight_scale") and parts.hidden == ("x.weight_scale",)
+    # NVFP4's `weight_scale` (compressed-tensors and ModelOpt) is not an int8 scale; a scale without weight neither
+    assert fmt.find_parts("x.weight_scale", {**names, "x.weight_packed": None}) is None
+    assert fmt.find_parts("x.weight_scale", {**names, "x.weight_scale_2": None}) is None
+    assert fmt.find_parts("y.weight_scale", {"y.weight_scale": None}) is None
+    with pytest.raises(ValueError, match=r"weight_scale shape \(4,\) does not fit weight \(4, 8\)"):
+        fmt.from_parts(parts, [w, np.ones((4,), np.float32)], {})
+    with pytest.raises(ValueError, match="int8 weight must be int8, got float8_e4m3fn"):
+        fmt.from_parts(parts, [w.astype(ml_dtypes.float8_e4m3fn), names["x.weight_scale"]], {})
+    zero = {**names, "x.weight_zero_point": np.zeros((4, 1), np.int8)}
+    parts = fmt.find_parts("x.weight_scale", zero)
+    with pytest.raises(ValueError, match="asymmetric int8 weights are not supported"):
+        fmt.from_parts(parts, [zero[n] for n in parts.names], {})

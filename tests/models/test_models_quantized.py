@@ -196,3 +196,64 @@ def test_model_moe_layers_through_interpreted_kernels(case):
     np.testing.assert_allclose(got, e["logits"][:1, :6], rtol=1e-4, atol=1e-4)
     ref = np.asarray(_load(case)(ids)) if case in QUANT_CASES else np.asarray(from_pretrained(HF / case)(ids))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+INT8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                             "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                         "strategy": "channel", "dynamic": False}}}}
+
+
+def _as_int8(src: Path, dst: Path, twin: Path) -> None:
+    """The float Qwen3-MoE fixture quantized as compressed-tensors `int-quantized` writes it (every linear
+    `*_proj.weight`: I8 [out, in] + BF16 `weight_scale` [out, 1], NumPy's own per-channel rounding) into `dst`,
+    and into `twin` a float32 checkpoint of the exact values those tensors stand for."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from tutel_jax.checkpoint import open_checkpoint
+
+    quantized, values = {}, {}
+    with open_checkpoint(src) as ckpt:
+        for name in ckpt:
+            a = np.asarray(ckpt[name], np.float32)
+            if not name.endswith("_proj.weight"):
+                quantized[name] = values[name] = a
+                continue
+            amax = np.abs(a).max(axis=1, keepdims=True)
+            scale = np.where(amax > 0, amax / 127, 1).astype(ml_dtypes.bfloat16)  # stored in bf16, as released
+            codes = np.clip(np.rint(a / scale.astype(np.float32)), -128, 127).astype(np.int8)
+            quantized[name], quantized[name + "_scale"] = codes, scale
+            values[name] = codes.astype(np.float32) * scale.astype(np.float32)
+    config = json.loads((src / "config.json").read_text())
+    for path, tensors, q in ((dst, quantized, INT8_CONFIG), (twin, values, None)):
+        path.mkdir()
+        save_file(tensors, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({**config, "dtype": "float32", "torch_dtype": "float32",
+                                                      **({"quantization_config": q} if q else {})}))
+
+
+def test_compressed_tensors_int8_checkpoint(tmp_path):
+    """Kept packed (int8 codes, float32 channel scales), the model equals the float model of the exact
+    dequantized values (float32 path, 1e-5) and decodes the same greedy tokens; through the interpreted Pallas
+    kernels too."""
+    d, twin = tmp_path / "int8", tmp_path / "twin"
+    _as_int8(HF / "qwen3_moe", d, twin)
+    model = from_pretrained(d, **FLOAT_ACTIVATIONS)
+    experts = model.params["layers"][0]["moe"]["experts"]
+    assert experts["gate_proj"].format == "int8" and experts["gate_proj"].weight.dtype == jnp.int8
+    assert experts["gate_proj"].scale.shape == (*experts["gate_proj"].shape[:-1], 1)
+    e = np.load(HF / "qwen3_moe" / "expected.npz")
+    ref_model = from_pretrained(twin, **FLOAT_ACTIVATIONS)
+    got, ref = np.asarray(model(e["input_ids"])), np.asarray(ref_model(e["input_ids"]))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # int8's own error against the float model (a routing choice may flip: on average, not everywhere)
+    assert np.abs(got - e["logits"]).mean() < 0.05 * np.abs(e["logits"]).mean()
+    from tutel_jax.serving import generate
+    np.testing.assert_array_equal(generate(model, e["input_ids"], 6).sequences,
+                                  generate(ref_model, e["input_ids"], 6).sequences)
+    ids = e["input_ids"][:1, :6]
+    interp = np.asarray(from_pretrained(d, kernel_backend="interpret", **FLOAT_ACTIVATIONS)(ids))
+    np.testing.assert_allclose(interp, ref[:1, :6], rtol=1e-5, atol=1e-5 * np.abs(ref).max())

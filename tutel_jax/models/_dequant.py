@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_kernels.quant import FORMATS, QuantFormat, format_for_method
+from pallas_kernels.quant import FORMATS, QuantFormat, format_for_config
 from pallas_kernels.quant.formats import WeightParts
 
 __all__ = ["QUANT_METHODS", "DequantizedTensors", "QuantizedTensors", "check_quantization_config", "is_quantized"]
@@ -42,7 +42,7 @@ def check_quantization_config(config: Mapping[str, Any]) -> None:
         return
     if not isinstance(q, Mapping):
         raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
-    fmt = format_for_method(q.get("quant_method"))
+    fmt = format_for_config(q)
     if fmt is None:
         raise ValueError(f"unsupported quantization method {q.get('quant_method')!r}; supported: {QUANT_METHODS}")
     fmt.check_hf_config(q)

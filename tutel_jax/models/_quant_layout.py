@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_kernels.quant import FORMATS, format_for_method
+from pallas_kernels.quant import FORMATS, format_for_config
 from pallas_kernels.quant.formats import TensorSite
 
 from ..checkpoint import DTYPE_BITS, TensorInfo
@@ -71,7 +71,7 @@ def checkpoint_layout(config: Mapping[str, Any]) -> list[tuple[TensorInfo, str]]
     """
     float_code = float_dtype_code(config)
     q = config.get("quantization_config") or {}
-    fmt = format_for_method(q.get("quant_method")) if q else None
+    fmt = format_for_config(q) if q else None
     if q and fmt is None:
         raise ValueError(f"checkpoint_layout: unsupported quant_method {q.get('quant_method')!r} (supported: "
                          f"{', '.join(m for f in FORMATS.values() for m in f.hf_methods)})")

@@ -123,6 +123,12 @@ TJ_INLINE UNative load_bytes(const uint8_t* p) {
 #endif
 }
 
+// kNativeLanes int8 values as float32: `load_bytes`, each byte's sign extended by a shift to the top and back
+TJ_INLINE Native int8_values(const uint8_t* p) {
+  typedef int32_t SNative __attribute__((vector_size(sizeof(Native))));
+  return __builtin_convertvector(((SNative)(load_bytes(p) << 24)) >> 24, Native);
+}
+
 TJ_INLINE UNative load_words(const uint8_t* p) {  // 4 bytes per lane
   UNative v;
   std::memcpy(&v, p, sizeof(v));

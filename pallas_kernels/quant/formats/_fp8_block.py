@@ -225,7 +225,8 @@ def _tpu_check(w: Fp8BlockWeight) -> None:
 
 
 FORMAT = QuantFormat(
-    name="fp8_block", container=Fp8BlockWeight, hf_methods=("fp8",), check_hf_config=_check_hf_config,
+    name="fp8_block", container=Fp8BlockWeight, hf_methods=("fp8",), hf_formats=(),
+    check_hf_config=_check_hf_config,
     roles={"fp8": ("F8_E4M3",), "scale_inv": ("F32", "BF16")}, disk_tensors=_disk_tensors,
     find_parts=_find_parts, from_parts=_from_parts, dequantize_numpy=_dequantize_numpy,
     byte_nonfinite=lambda name: None, quantize=quantize_fp8_block,

@@ -204,7 +204,8 @@ def _tpu_check(w: Mxfp4Weight) -> None:
 
 
 FORMAT = QuantFormat(
-    name="mxfp4", container=Mxfp4Weight, hf_methods=("mxfp4",), check_hf_config=_check_hf_config,
+    name="mxfp4", container=Mxfp4Weight, hf_methods=("mxfp4",), hf_formats=(),
+    check_hf_config=_check_hf_config,
     roles={"fp4": ("U8",), "e8m0": ("U8",)}, disk_tensors=_disk_tensors, find_parts=_find_parts,
     from_parts=_from_parts, dequantize_numpy=_dequantize_numpy, byte_nonfinite=_byte_nonfinite,
     quantize=quantize_mxfp4,

@@ -19,7 +19,6 @@ and one float32 global scale per tensor.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from jax.experimental.pallas import triton as plt
 from ..._select import NotSupported
 from ..._util import col, row
 from ._bits import E2M1_LUT, FP8_MAX, lut, nearest_e2m1, nibbles_numpy, pack_fp4, to_e4m3, unpack_fp4
+from ._compressed_tensors import METHOD as _CT, ignored
 from ._record import DiskTensor, QuantFormat, TensorSite, TpuTiles, WeightParts, check
 from ._tpu_tiles import fp4_accumulate, fp4_operands, fp4_vmem
 from ._triton_tiles import e4m3_load, expand, fp4_tile, fp8_operand
@@ -121,19 +121,15 @@ def quantize_nvfp4(w: jax.Array) -> Nvfp4Weight:
 # ------------------------------------------------------------------------------- HF checkpoint
 
 _MODELOPT = "modelopt"
+_CT_FORMATS = ("nvfp4-pack-quantized",)  # compressed-tensors `format` (absent: this one)
 
 
 def _check_hf_config(q: Mapping[str, Any]) -> None:
     method, fmt = q.get("quant_method"), q.get("format")
-    if method == "compressed-tensors" and fmt not in (None, "nvfp4-pack-quantized"):
-        raise ValueError(f"unsupported compressed-tensors format {fmt!r}; supported: 'nvfp4-pack-quantized'")
+    if method == _CT and fmt not in (None, *_CT_FORMATS):
+        raise ValueError(f"unsupported compressed-tensors format {fmt!r} for NVFP4; supported: {_CT_FORMATS}")
     if method == _MODELOPT and str(q.get("quant_algo", "")).upper() != "NVFP4":
         raise ValueError(f"unsupported modelopt quant_algo {q.get('quant_algo')!r}; supported: 'NVFP4'")
-
-
-def _ignored(module: str, patterns: list[str]) -> bool:
-    """compressed-tensors' `ignore`: exact module names, or `re:<regex>` matched against the module name."""
-    return any(re.fullmatch(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
 
 
 def _disk_tensors(site: TensorSite, q: Mapping[str, Any]) -> list[DiskTensor] | None:
@@ -141,7 +137,7 @@ def _disk_tensors(site: TensorSite, q: Mapping[str, Any]) -> list[DiskTensor] | 
         raise ValueError("checkpoint_layout: unsupported quant_method 'modelopt' (the layout is described for "
                          "compressed-tensors NVFP4)")
     base = site.name.removesuffix(".weight")
-    if not site.linear or _ignored(base, list(q.get("ignore", []))):
+    if not site.linear or ignored(base, q):
         return None
     rows, width = site.shape
     if width % NVFP4_BLOCK:
@@ -274,7 +270,7 @@ def _tpu_check(w: Nvfp4Weight) -> None:
 
 
 FORMAT = QuantFormat(
-    name="nvfp4", container=Nvfp4Weight, hf_methods=("compressed-tensors", _MODELOPT),
+    name="nvfp4", container=Nvfp4Weight, hf_methods=(_CT, _MODELOPT), hf_formats=_CT_FORMATS,
     check_hf_config=_check_hf_config, roles={"fp4": ("U8",), "e4m3_scale": ("F8_E4M3", "U8"),
                                              "global_scale": ("F32",)},
     disk_tensors=_disk_tensors, find_parts=_find_parts, from_parts=_from_parts, dequantize_numpy=_dequantize_numpy,

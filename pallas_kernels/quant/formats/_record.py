@@ -4,7 +4,8 @@ A format is everything the project knows about one way of storing a weight [...,
 
   container         the pytree of packed arrays the library passes around (HF layout [..., out, in]);
                     `.dequantize()` is the JAX reference (float32, bit-identical to `dequantize_numpy`)
-  HF checkpoint     `hf_methods` (config.json quant_method values) and `check_hf_config`; `disk_tensors`
+  HF checkpoint     `hf_methods` (config.json quant_method values), `hf_formats` (for quant_method
+                    "compressed-tensors": the config's `format` values it reads) and `check_hf_config`; `disk_tensors`
                     (which float-layout tensors it stores quantized, as which on-disk tensors: the writer's and
                     the header check's view), `find_parts` (the reader's view: the parts of one weight from the
                     on-disk names) and `from_parts` (a validated container of them, or of ShapeDtypeStructs);
@@ -90,6 +91,7 @@ class QuantFormat:
     name: str
     container: type
     hf_methods: tuple[str, ...]
+    hf_formats: tuple[str, ...]
     check_hf_config: Callable[[Mapping[str, Any]], None]
     roles: Mapping[str, tuple[str, ...]]
     disk_tensors: Callable[[TensorSite, Mapping[str, Any]], list[DiskTensor] | None]
