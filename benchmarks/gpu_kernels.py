@@ -43,7 +43,7 @@ from benchmarks.common import machine_info, repo_root, write_json
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
-QUANTIZERS = {"fp8_block": pk.quantize_fp8_block, "mxfp4": pk.quantize_mxfp4, "nvfp4": pk.quantize_nvfp4}
+QUANTIZERS = {name: fmt.quantize for name, fmt in pk.quant.FORMATS.items()}  # every weight format
 
 
 # ------------------------------------------------------------------------------------------------- timing

@@ -1,5 +1,5 @@
-"""Quantized grouped matmul on Pallas Triton kernels (NVIDIA, AMD): activations x FP8-block / MXFP4 / NVFP4
-weights, dequantized inside the kernel; semantics are _reference.py's.
+"""Quantized grouped matmul on Pallas Triton kernels (NVIDIA, AMD): activations x FP8-block / MXFP4 / NVFP4 /
+int8 weights, dequantized inside the kernel; semantics are _reference.py's.
 
     quant_gmm_triton(x[T, K], w[G, N, K] quantized, group_sizes[G], ...) -> [T, N]
 

@@ -20,6 +20,7 @@ from tutel_jax.compile._roofline import causal_pairs, roofline
 from tutel_jax.compile import DevicelessUnavailable, TargetError, parse_target
 from tutel_jax.compile._weights import abstract_model
 from tutel_jax.models import from_pretrained
+from support.int8_checkpoint import write_int8_copy
 from support.paths import HF, REPO
 
 MATRIX = REPO / "benchmarks" / "compile_matrix.py"
@@ -132,6 +133,26 @@ def test_abstract_weights_match_the_loader(name):
     for (path, a), (_, b) in zip(got, want):
         assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec), jax.tree_util.keystr(path)
     assert model.moe_configs == real.moe_configs
+
+
+@pytest.fixture(scope="module")
+def qwen3_int8(tmp_path_factory):
+    """The float Qwen3-MoE fixture as a compressed-tensors int8 checkpoint."""
+    path = tmp_path_factory.mktemp("int8") / "qwen3_moe_int8"
+    write_int8_copy(HF / "qwen3_moe", path)
+    return path
+
+
+def test_abstract_int8_weights_match_the_loader(qwen3_int8):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    real = from_pretrained(qwen3_int8, dtype=jnp.bfloat16, mesh=mesh, progress=False, per_layer_jit=False)
+    model = abstract_model(json.loads((qwen3_int8 / "config.json").read_text()), mesh, dtype=jnp.bfloat16)
+    got, got_def = jax.tree_util.tree_flatten_with_path(model.params)
+    want, want_def = jax.tree_util.tree_flatten_with_path(real.params)
+    assert got_def == want_def
+    assert any(a.dtype == jnp.int8 for _, a in got)
+    for (path, a), (_, b) in zip(got, want):
+        assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec), jax.tree_util.keystr(path)
 
 
 # ------------------------------------------------------------------ the analytic roofline (any JAX)
@@ -351,3 +372,31 @@ def test_gpt_oss_on_v5p_that_does_not_fit(capsys, monkeypatch, tmp_path):
         assert abs(p["bytes_per_device"]["weights"] - want) <= 0.1 * want, (p["bytes_per_device"]["weights"], want)
         assert set(p["collectives"]) >= {"all-reduce"} and p["collectives"]["all-reduce"] > 0
         assert isinstance(p["kernels"], dict)
+
+
+def _qwen3_int8_weight_bytes(config: dict, devices: int) -> int:
+    """Per-device weight bytes of an int8 qwen3_moe (compressed-tensors): every *_proj an int8 byte per value
+    and a float32 scale per output row, experts split; norms, router, embeddings and lm_head float32."""
+    M, H, Hkv, D = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    E = config.get("num_experts") or config["num_local_experts"]
+    I, V = config["moe_intermediate_size"], config["vocab_size"]
+    attn = 2 * M * H * D + 2 * M * Hkv * D + 4 * (H * D + 2 * Hkv * D + M)
+    layer = attn + 4 * (2 * D + 2 * M + E * M)
+    experts = (E * 3 * M * I + 4 * E * (2 * I + M)) // devices
+    return config["num_hidden_layers"] * (layer + experts) + 4 * (2 * V * M + M)
+
+
+@needs_deviceless
+def test_int8_checkpoint_on_v5p_holds_the_int8_kernel(capsys, qwen3_int8, tmp_path):
+    """A compressed-tensors int8 config compiled for a v5p topology: its experts' grouped matmuls are the Mosaic
+    int8 kernel, and the weights per device are the int8 bytes (+ scales) of a hand count."""
+    path = tmp_path / "int8.json"
+    rc, out, err = _run(capsys, str(qwen3_int8 / "config.json"), "--target", "v5p:2x2x2", "--batch", "2",
+                        "--seq", "16", "--json", str(path))
+    assert rc == 0, err
+    report = json.loads(path.read_text())
+    config = json.loads((qwen3_int8 / "config.json").read_text())
+    want = _qwen3_int8_weight_bytes(config, 8)
+    for p in report["programs"]:
+        assert any("tutel_tpu_quant_gmm_int8" in name for name in p["kernels"]), p["kernels"]
+        assert abs(p["bytes_per_device"]["weights"] - want) <= 0.1 * want, (p["bytes_per_device"]["weights"], want)

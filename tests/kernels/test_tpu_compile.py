@@ -1,4 +1,4 @@
-"""Deviceless compiles for TPUs (v5p, v5e) on a CPU host: programs calling gmm / tgmm / encode / decode with
+"""Deviceless compiles for TPUs (v5p, v5e) on a CPU host: programs calling gmm / tgmm / encode / decode / quant_gmm with
 the default implementation ("auto") under `jax.set_mesh(<TPU topology mesh>)` compile to Mosaic kernels
 (`tpu_custom_call` in the compiled HLO), forward and backward.
 
@@ -117,6 +117,22 @@ def test_gradients_compile_to_mosaic(mesh):
     calls = kernel_calls(text)  # as `tutel-jax compile` names them: every Mosaic call is the project's
     assert calls.get("tutel_tpu_gmm") == 2 and calls.get("tutel_tpu_tgmm") == 1, calls
     assert all(name.startswith("tutel_") for name in calls), calls
+
+
+@pytest.mark.parametrize("fmt", sorted(pk.quant.FORMATS))
+def test_packed_weights_compile_to_mosaic(mesh, fmt):
+    """The default quantized grouped matmul of every weight format, inside shard_map: one Mosaic kernel of
+    that format on each topology (v5e's and v5p's Mosaic)."""
+    n = mesh.devices.size
+    experts, rows, k, dim = 4, 64, 640, 384
+    w = jax.eval_shape(lambda: pk.quant.FORMATS[fmt].quantize(jnp.zeros((experts, dim, k))))
+    fn = jax.shard_map(lambda x, w, s: pk.quant_gmm(x, w, s[0]), in_specs=(P("x"), P(), P("x")),
+                       out_specs=P("x"))
+    args = (_spec(mesh, (n * rows, k), jnp.bfloat16, P("x")), jax.tree.map(lambda a: _spec(mesh, a.shape, a.dtype), w),
+            _spec(mesh, (n, experts), jnp.int32, P("x")))
+    with jax.set_mesh(mesh):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+    assert kernel_calls(text) == {f"tutel_tpu_quant_gmm_{fmt}": 1}, kernel_calls(text)
 
 
 def test_outside_shard_map_auto_falls_back_to_xla(mesh):

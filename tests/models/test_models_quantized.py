@@ -18,6 +18,7 @@ from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.models import from_pretrained, memory_report, QuantizedTensors
 from support.paths import HF
 from support.exact_paths import FLOAT_ACTIVATIONS
+from support.int8_checkpoint import write_int8_copy
 
 QUANT_CASES = {"deepseek_v3_fp8": "fp8_block", "gpt_oss_mxfp4": "mxfp4", "qwen3_moe_nvfp4": "nvfp4"}
 PACKED_DTYPES = {"uint8", "float8_e4m3fn"}
@@ -69,7 +70,7 @@ def test_memory_report_against_bf16(case, limit):
     assert str(report).startswith("expert weights")
 
 
-@pytest.mark.parametrize("fmt,limit", [("fp8_block", 0.51), ("mxfp4", 0.27), ("nvfp4", 0.29)])
+@pytest.mark.parametrize("fmt,limit", [("fp8_block", 0.51), ("mxfp4", 0.27), ("nvfp4", 0.29), ("int8", 0.51)])
 def test_resident_bytes_of_a_realistic_expert_stack(fmt, limit):
     """[E=4, 1536, 1024] experts: FP8 1 byte + a float32 per 128x128 block; FP4 half a byte + its scales."""
     w = quant_weights.quantize(jax.random.normal(jax.random.key(0), (4, 1536, 1024)), fmt)
@@ -90,7 +91,7 @@ def _float_twin(config_q, params_q):
     return make_config({"type": "top", "k": 2}, config_q.model_dim, experts), params
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int8"])
 @pytest.mark.parametrize("cf,impl", [(0.0, "ragged"), (0.0, "bucketed"), (1.0, "ragged")])
 def test_quantized_swiglu_layer_equals_float_layer_on_dequantized_weights(fmt, cf, impl):
     experts = {"type": "swiglu", "count_per_node": 4, "hidden_size_per_expert": 64, "weight_format": fmt,
@@ -198,49 +199,12 @@ def test_model_moe_layers_through_interpreted_kernels(case):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-INT8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-               "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                             "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                                                         "strategy": "channel", "dynamic": False}}}}
-
-
-def _as_int8(src: Path, dst: Path, twin: Path) -> None:
-    """The float Qwen3-MoE fixture quantized as compressed-tensors `int-quantized` writes it (every linear
-    `*_proj.weight`: I8 [out, in] + BF16 `weight_scale` [out, 1], NumPy's own per-channel rounding) into `dst`,
-    and into `twin` a float32 checkpoint of the exact values those tensors stand for."""
-    import json
-
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    from tutel_jax.checkpoint import open_checkpoint
-
-    quantized, values = {}, {}
-    with open_checkpoint(src) as ckpt:
-        for name in ckpt:
-            a = np.asarray(ckpt[name], np.float32)
-            if not name.endswith("_proj.weight"):
-                quantized[name] = values[name] = a
-                continue
-            amax = np.abs(a).max(axis=1, keepdims=True)
-            scale = np.where(amax > 0, amax / 127, 1).astype(ml_dtypes.bfloat16)  # stored in bf16, as released
-            codes = np.clip(np.rint(a / scale.astype(np.float32)), -128, 127).astype(np.int8)
-            quantized[name], quantized[name + "_scale"] = codes, scale
-            values[name] = codes.astype(np.float32) * scale.astype(np.float32)
-    config = json.loads((src / "config.json").read_text())
-    for path, tensors, q in ((dst, quantized, INT8_CONFIG), (twin, values, None)):
-        path.mkdir()
-        save_file(tensors, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps({**config, "dtype": "float32", "torch_dtype": "float32",
-                                                      **({"quantization_config": q} if q else {})}))
-
-
 def test_compressed_tensors_int8_checkpoint(tmp_path):
     """Kept packed (int8 codes, float32 channel scales), the model equals the float model of the exact
     dequantized values (float32 path, 1e-5) and decodes the same greedy tokens; through the interpreted Pallas
     kernels too."""
     d, twin = tmp_path / "int8", tmp_path / "twin"
-    _as_int8(HF / "qwen3_moe", d, twin)
+    write_int8_copy(HF / "qwen3_moe", d, twin)
     model = from_pretrained(d, **FLOAT_ACTIVATIONS)
     experts = model.params["layers"][0]["moe"]["experts"]
     assert experts["gate_proj"].format == "int8" and experts["gate_proj"].weight.dtype == jnp.int8

@@ -31,16 +31,14 @@ from jax.sharding import PartitionSpec as P
 
 
 from .. import quant
+from ..checkpoint import DTYPES
 from ..layer import make_config
 from ..models import (from_pretrained, moe_hidden_size, attention_table, mlp_prefix, num_experts_of, QuantizedTensors,
                       checkpoint_layout, hf_tensor_shapes, DecoderSpec, spec_from_config)
 from ..models.families import family_of
 
-__all__ = ["AbstractModel", "abstract_model", "abstract_tensors", "loader_moe_options", "per_device_bytes",
-           "DTYPES"]
+__all__ = ["AbstractModel", "abstract_model", "abstract_tensors", "loader_moe_options", "per_device_bytes"]
 
-#: safetensors dtype codes -> NumPy dtypes
-DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F8_E4M3": jnp.float8_e4m3fn, "U8": np.uint8}
 
 
 def loader_moe_options() -> dict[str, Any]:
@@ -52,7 +50,7 @@ def loader_moe_options() -> dict[str, Any]:
 
 def abstract_tensors(config: Mapping[str, Any], quantized: bool = True) -> dict[str, Any]:
     """{on-disk name: abstract value} as the loader reads the checkpoint: float tensors as ShapeDtypeStructs of
-    their stored dtype; with `quantized`, FP8 block / MXFP4 / NVFP4 weights as `pallas_kernels.quant`
+    their stored dtype; with `quantized`, quantized weights (every format) as `pallas_kernels.quant`
     containers of their packed parts under the unquantized name (`dequant.QuantizedTensors`). Without it (or
     for FP8 blocks other than 128 x 128, which the loader dequantizes), the float32 tensors of
     `dequant.DequantizedTensors`."""

@@ -23,7 +23,7 @@
 
 'native': on CPU, the whole routed-experts step in one native call (`tutel_jax.native.moe_experts`, C++
   through XLA FFI, compiled on first use): the used experts' weights stream once, in memory order, over all
-  cores, packed ones (FP8 block, MXFP4, NVFP4) decoded in registers. SwiGLU (silu) and GPT-OSS experts, float32,
+  cores, packed ones (FP8 block, MXFP4, NVFP4, int8) decoded in registers. SwiGLU (silu) and GPT-OSS experts, float32,
   bfloat16 or packed weights; computes in float32; gradients through the 'loop' path. The fastest CPU decode
   path (XLA:CPU copies every expert chosen at run time before its matmul, and dequantizes packed ones).
 

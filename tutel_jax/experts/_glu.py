@@ -6,7 +6,7 @@ weights, `hidden_axes` (sharded experts, tensor parallel). The math of each is w
 grouped-linear primitive (`grouped_linear`), which takes float arrays or packed quantized weights.
 
 Every weight is [E, out, in], as the checkpoints store each expert's linear weight. With `weight_format`
-('fp8_block', 'mxfp4', 'nvfp4') in the experts dict (`{'type': 'swiglu', 'weight_format': 'nvfp4', ...}`) the
+(a `pallas_kernels.quant.FORMATS` name) in the experts dict (`{'type': 'swiglu', 'weight_format': 'nvfp4', ...}`) the
 same parameters are `pallas_kernels.quant` containers of the same logical shapes (one pytree for float and packed
 layers): `grouped` runs the dequantizing grouped matmul (`pallas_kernels.quant_gmm`: the kernel on a GPU, the
 float32 XLA reference elsewhere), `batched` and `gathered` dequantize in XLA. `init` quantizes random weights
