@@ -59,13 +59,13 @@ def test_auto_picks_loop_for_few_assignments_on_cpu():
     ffn = make_config({"type": "top", "k": 1}, 8, {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8})
     assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "loop"
     assert dropless.resolve_impl("gather", ffn.experts) == "gather"  # every built-in type has gathered()
-    for fmt in ("mxfp4", "nvfp4", "fp8_block"):  # quantized: never a whole layer dequantized, whatever the batch
+    for fmt in ("mxfp4", "nvfp4", "fp8_block", "int8"):  # quantized: never a whole layer dequantized, any batch
         packed = make_config({"type": "top", "k": 2}, 64, {"type": "swiglu", "count_per_node": 4,
                                                           "hidden_size_per_expert": 32, "weight_format": fmt})
         # the native kernel where it can be built (decoded in registers), else the loop
         want = "loop"
         if dropless.native_available(packed.experts):
-            want = "native_int8" if fmt != "fp8_block" and int8_pays_off() else "native"
+            want = "native_int8" if fmt in ("mxfp4", "nvfp4") and int8_pays_off() else "native"
         assert dropless.resolve_impl("auto", packed.experts, num_assignments=10**6, num_experts=4) == want
 
     class BatchedOnly:  # the minimal custom-expert protocol: no gathered()

@@ -47,7 +47,7 @@ ACTIVATIONS = ("float32", "int8")
 
 def int8_capable(w_or_format: Any) -> bool:
     """Whether `activations='int8'` changes how the kernels multiply this weight (a packed container, or a format
-    name such as an experts' `weight_format`): FP4 formats (MXFP4, NVFP4); float and FP8 weights always take
+    name such as an experts' `weight_format`): FP4 formats (MXFP4, NVFP4); float, FP8 and int8 weights always take
     float32 activations."""
     fmt = FORMATS.get(w_or_format) if isinstance(w_or_format, str) else (
         format_of(w_or_format) if quant.is_quantized(w_or_format) else None)
