@@ -32,9 +32,9 @@ from .gating import (GatingConfig, GatingResult, default_gating_config, gating, 
                      slot_positions_reference)
 from .gmm import (GmmConfig, default_gmm_config, default_tgmm_config, gmm, gmm_reference, group_metadata, tgmm,
                   tgmm_reference)
-from .quant import (E2M1_LUT, Fp8BlockWeight, Int8Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, dequant_fp8_block,
-                    dequant_int8, dequant_mxfp4, dequant_nvfp4, quantize_fp8_block, quantize_int8, quantize_mxfp4,
-                    quantize_nvfp4)
+from .quant import (E2M1_LUT, Fp8BlockWeight, Fp8ChannelWeight, Int8Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight,
+                    dequant_channel, dequant_fp8_block, dequant_mxfp4, dequant_nvfp4, quantize_fp8_block,
+                    quantize_fp8_channel, quantize_int8, quantize_mxfp4, quantize_nvfp4)
 from .quant import (QuantMatmulConfig, default_quant_config, quant_gmm, quant_gmm_reference, quant_matmul,
                     quant_matmul_reference)
 
@@ -55,9 +55,9 @@ __all__ = [
     "GmmConfig", "default_gmm_config", "default_tgmm_config", "gmm", "tgmm", "gmm_reference", "tgmm_reference",
     "group_metadata",
     # quantized
-    "E2M1_LUT", "Fp8BlockWeight", "Int8Weight", "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight", "dequant_fp8_block",
-    "dequant_int8", "dequant_mxfp4", "dequant_nvfp4", "quantize_fp8_block", "quantize_int8", "quantize_mxfp4",
-    "quantize_nvfp4",
+    "E2M1_LUT", "Fp8BlockWeight", "Fp8ChannelWeight", "Int8Weight", "Mxfp4Weight", "Nvfp4Weight", "QuantizedWeight",
+    "dequant_channel", "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4", "quantize_fp8_block",
+    "quantize_fp8_channel", "quantize_int8", "quantize_mxfp4", "quantize_nvfp4",
     "QuantMatmulConfig", "default_quant_config", "quant_matmul", "quant_gmm", "quant_matmul_reference",
     "quant_gmm_reference",
     # registry (tokamax style: ordered implementations per op)

@@ -27,7 +27,8 @@ CHECKS = ["layer.capacity", "layer.dropless", "generate.deepseek_v3_fp8", "gener
           "timings.gmm_and_quant_decode"]
 SKIPPED_ON_CPU = ["ep.dropless_ragged_exchange", "ep.ragged_all_to_all"]
 KERNEL_PREFIXES = ("gating", "encode", "decode", "permute", "gmm", "tgmm", "gmm_vjp", "quant_matmul_fp8_block",
-                   "quant_matmul_mxfp4", "quant_matmul_nvfp4", "quant_matmul_int8", "quant_gmm")
+                   "quant_matmul_mxfp4", "quant_matmul_nvfp4", "quant_matmul_int8", "quant_matmul_fp8_channel",
+                   "quant_gmm")
 
 
 gpu_check = load_script(SCRIPT, "gpu_check_script")

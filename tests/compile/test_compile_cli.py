@@ -20,7 +20,7 @@ from tutel_jax.compile._roofline import causal_pairs, roofline
 from tutel_jax.compile import DevicelessUnavailable, TargetError, parse_target
 from tutel_jax.compile._weights import abstract_model
 from tutel_jax.models import from_pretrained
-from support.int8_checkpoint import write_int8_copy
+from support.channel_checkpoint import write_channel_copy
 from support.paths import HF, REPO
 
 MATRIX = REPO / "benchmarks" / "compile_matrix.py"
@@ -139,7 +139,7 @@ def test_abstract_weights_match_the_loader(name):
 def qwen3_int8(tmp_path_factory):
     """The float Qwen3-MoE fixture as a compressed-tensors int8 checkpoint."""
     path = tmp_path_factory.mktemp("int8") / "qwen3_moe_int8"
-    write_int8_copy(HF / "qwen3_moe", path)
+    write_channel_copy(HF / "qwen3_moe", path)
     return path
 
 

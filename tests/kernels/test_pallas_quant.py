@@ -102,7 +102,8 @@ def test_low_nibble_is_the_even_element():
 
 
 @pytest.mark.parametrize("quantize, tol", [(pk.quantize_fp8_block, 0.07), (pk.quantize_mxfp4, 0.2),
-                                           (pk.quantize_nvfp4, 0.2), (pk.quantize_int8, 0.5 / 127)])
+                                           (pk.quantize_nvfp4, 0.2), (pk.quantize_int8, 0.5 / 127),
+                                           (pk.quantize_fp8_channel, 0.07)])
 def test_quantizers_round_trip(quantize, tol):
     w = random_normal(0, (2, 48, 160))
     q = jax.jit(quantize)(w)
@@ -166,7 +167,7 @@ def _pallas_operand_dtypes(fn, *args) -> list:
     return found
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "nvfp4_modelopt"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4", "nvfp4_modelopt", "fp8_channel"])
 def test_e4m3_bit_path_of_targets_without_fp8_hardware(fmt):
     """Traced for sm_80 (no e4m3 conversion), the kernels read e4m3 weights / scales as uint8 bit patterns and
     decode them with integer operations; the result matches the reference as on the other targets."""

@@ -62,6 +62,8 @@ CASES = [
     ("nvfp4", jnp.bfloat16, 37, 80, 136, [5, 9, 0, 13], (16, 128)),       # 10 rows past the sum, N tail
     ("int8", jnp.float32, 50, 200, 136, [10, 0, 17, 20], (16, 128)),       # K and N tails, rows past the sum
     ("int8", jnp.bfloat16, 24, 544, 64, [24, 0], None),                   # K past one 512-column chunk
+    ("fp8_channel", jnp.float32, 45, 96, 130, [7, 0, 20, 12], (16, 128)),  # N tail, rows past the sum
+    ("fp8_channel", jnp.bfloat16, 40, 640, 40, [0, 25, 30], None),        # a group past T, K past a chunk
 ]
 
 
@@ -186,7 +188,8 @@ def _sharded(mesh, tree, spec=P()):
 
 
 @pytest.mark.parametrize("fmt, dtype", [("fp8_block", jnp.bfloat16), ("fp8_block", jnp.float32),
-                                        ("mxfp4", jnp.bfloat16), ("nvfp4", jnp.bfloat16), ("int8", jnp.bfloat16)])
+                                        ("mxfp4", jnp.bfloat16), ("nvfp4", jnp.bfloat16), ("int8", jnp.bfloat16),
+                                        ("fp8_channel", jnp.bfloat16)])
 def test_default_op_in_shard_map_compiles_to_mosaic(v5p_mesh, fmt, dtype):
     mesh = v5p_mesh
     n = mesh.devices.size

@@ -15,10 +15,18 @@ from pallas_kernels.quant.formats import TensorSite
 
 CODES = {"U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
          "F32": np.dtype(np.float32)}
-#: compressed-tensors int8 (W8A8, llm-compressor's layout): per-channel symmetric weights, dynamic activations
-INT8_GROUPS = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                                                              "strategy": "channel", "dynamic": False},
-                           "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}
+
+
+def ct_groups(kind: str, strategy: str = "channel") -> dict:
+    """compressed-tensors W8A8 config groups (llm-compressor's layout): symmetric 8-bit weights of `kind` ('int'
+    or 'float') per channel (or tensor), dynamic activations."""
+    return {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": kind, "symmetric": True,
+                                                           "strategy": strategy, "dynamic": False},
+                        "input_activations": {"num_bits": 8, "type": kind, "dynamic": True}}}
+
+
+CHANNEL_KINDS = {"int8": "int", "fp8_channel": "float"}
+INT8_WEIGHTS = ct_groups("int")["group_0"]["weights"]
 EXPERTS, OUT, IN = 2, 48, 64
 
 
@@ -26,8 +34,8 @@ def _config(fmt) -> dict:
     q = {"quant_method": fmt.hf_methods[0]}
     if fmt.hf_formats:
         q["format"] = fmt.hf_formats[0]
-    if fmt.name == "int8":
-        q["config_groups"] = INT8_GROUPS
+    if fmt.name in CHANNEL_KINDS:
+        q["config_groups"] = ct_groups(CHANNEL_KINDS[fmt.name])
     return q
 
 
@@ -106,31 +114,34 @@ def test_reader_rejects_parts_that_do_not_fit():
 def test_compressed_tensors_format_picks_the_format():
     ct = "compressed-tensors"
     assert format_for_config({"quant_method": ct, "format": "int-quantized"}) is FORMATS["int8"]
+    assert format_for_config({"quant_method": ct, "format": "float-quantized"}) is FORMATS["fp8_channel"]
     assert format_for_config({"quant_method": ct, "format": "nvfp4-pack-quantized"}) is FORMATS["nvfp4"]
     assert format_for_config({"quant_method": ct}) is FORMATS["nvfp4"]  # no `format`: NVFP4, as before int8
     assert format_for_config({"quant_method": "fp8", "format": "int-quantized"}) is FORMATS["fp8_block"]
     assert format_for_config({"quant_method": "awq"}) is None
-    for bad in ("pack-quantized", "float-quantized", 8):
+    for bad in ("pack-quantized", "naive-quantized", 8):
         with pytest.raises(ValueError, match=r"quantization_config.format: unsupported compressed-tensors format "
-                                             r".*supported: int-quantized, nvfp4-pack-quantized"):
+                                             r".*supported: float-quantized, int-quantized, nvfp4-pack-quantized"):
             format_for_config({"quant_method": ct, "format": bad})
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"format": "naive-quantized"}, r"format: expected one of \('int-quantized',\), got 'naive-quantized'"),
+    ({"format": "naive-quantized"}, r"format: expected 'int-quantized', got 'naive-quantized'"),
     ({"config_groups": {}}, "config_groups: expected an object of one or more groups"),
     ({"config_groups": {"g": {"weights": None}}}, r"config_groups.g.weights: expected an object"),
-    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "num_bits": 4}}}},
+    ({"config_groups": {"g": {"weights": {**INT8_WEIGHTS, "num_bits": 4}}}},
      r"config_groups.g.weights.num_bits: expected 8, got 4"),
-    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "strategy": "group"}}}},
-     r"config_groups.g.weights.strategy: expected 'channel', got 'group'"),
-    ({"config_groups": {"g": {"weights": {**INT8_GROUPS["group_0"]["weights"], "symmetric": False}}}},
+    ({"config_groups": {"g": {"weights": {**INT8_WEIGHTS, "type": "float"}}}},
+     r"config_groups.g.weights.type: expected 'int', got 'float'"),
+    ({"config_groups": {"g": {"weights": {**INT8_WEIGHTS, "strategy": "group"}}}},
+     r"config_groups.g.weights.strategy: expected one of \('channel', 'tensor'\), got 'group'"),
+    ({"config_groups": {"g": {"weights": {**INT8_WEIGHTS, "symmetric": False}}}},
      r"config_groups.g.weights.symmetric: expected True, got False"),
-    ({"config_groups": {"g": {"weights": INT8_GROUPS["group_0"]["weights"],
+    ({"config_groups": {"g": {"weights": INT8_WEIGHTS,
                               "input_activations": {"num_bits": 8, "dynamic": False}}}},
      r"config_groups.g.input_activations: expected null or dynamic quantization"),
 ])
-def test_int8_config_names_the_key_it_cannot_read(change, message):
+def test_channel_config_names_the_key_it_cannot_read(change, message):
     q = {**_config(FORMATS["int8"]), **change}
     with pytest.raises(ValueError, match=message):
         FORMATS["int8"].check_hf_config(q)
@@ -152,5 +163,22 @@ def test_int8_reader_rejects_what_it_cannot_read():
         fmt.from_parts(parts, [w.astype(ml_dtypes.float8_e4m3fn), names["x.weight_scale"]], {})
     zero = {**names, "x.weight_zero_point": np.zeros((4, 1), np.int8)}
     parts = fmt.find_parts("x.weight_scale", zero)
-    with pytest.raises(ValueError, match="asymmetric int8 weights are not supported"):
+    with pytest.raises(ValueError, match="int8 weight_zero_point: asymmetric weights are not supported"):
         fmt.from_parts(parts, [zero[n] for n in parts.names], {})
+
+
+def test_per_tensor_scale_reads_as_the_same_scale_per_channel():
+    """compressed-tensors' strategy 'tensor' (one scale, e.g. FP8 static checkpoints): the layout stores [1], the
+    reader gives every channel that scale, and the values equal the NumPy reference's."""
+    fmt = FORMATS["fp8_channel"]
+    q = {**_config(fmt), "config_groups": ct_groups("float", "tensor")}
+    fmt.check_hf_config(q)
+    site = TensorSite("x.weight", (OUT, IN), linear=True, fused_expert=False)
+    assert [t.shape for t in fmt.disk_tensors(site, q)] == [(OUT, IN), (1,)]
+    codes = np.random.default_rng(1).normal(size=(OUT, IN)).astype(ml_dtypes.float8_e4m3fn)
+    arrays = [codes, np.full((1,), 0.25, ml_dtypes.bfloat16)]
+    parts = fmt.find_parts("x.weight_scale", {"x.weight": 0, "x.weight_scale": 0})
+    read = fmt.from_parts(parts, arrays, q)
+    assert read.scale.shape == (OUT, 1) and read.scale.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(read.dequantize()), codes.astype(np.float32) * 0.25)
+    np.testing.assert_array_equal(fmt.dequantize_numpy(parts, arrays, q), codes.astype(np.float32) * 0.25)

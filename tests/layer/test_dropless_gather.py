@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.quant import FORMATS
 from tutel_jax.experts import _dropless as dropless
 from tutel_jax.layer import make_config, init_params, moe_apply
 from tutel_jax.native._build import int8_pays_off
@@ -59,7 +60,7 @@ def test_auto_picks_loop_for_few_assignments_on_cpu():
     ffn = make_config({"type": "top", "k": 1}, 8, {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": 8})
     assert dropless.resolve_impl("auto", ffn.experts, 1, 4) == "loop"
     assert dropless.resolve_impl("gather", ffn.experts) == "gather"  # every built-in type has gathered()
-    for fmt in ("mxfp4", "nvfp4", "fp8_block", "int8"):  # quantized: never a whole layer dequantized, any batch
+    for fmt in FORMATS:  # quantized: never a whole layer dequantized, whatever the batch
         packed = make_config({"type": "top", "k": 2}, 64, {"type": "swiglu", "count_per_node": 4,
                                                           "hidden_size_per_expert": 32, "weight_format": fmt})
         # the native kernel where it can be built (decoded in registers), else the loop

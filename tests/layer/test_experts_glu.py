@@ -97,7 +97,8 @@ ALL_TYPES = [{"type": "ffn", "hidden_size_per_expert": H}, {"type": "llama_ffn",
              {"type": "swiglu", "hidden_size_per_expert": 32, "weight_format": "nvfp4"},
              {"type": "gpt_oss", "hidden_size_per_expert": 32, "weight_format": "mxfp4"},
              {"type": "swiglu", "hidden_size_per_expert": 32, "weight_format": "fp8_block"},
-             {"type": "gpt_oss", "hidden_size_per_expert": 32, "weight_format": "int8"}]
+             {"type": "gpt_oss", "hidden_size_per_expert": 32, "weight_format": "int8"},
+             {"type": "swiglu", "hidden_size_per_expert": 32, "weight_format": "fp8_channel"}]
 
 
 @pytest.mark.parametrize("spec", ALL_TYPES, ids=lambda s: s["type"] + "_" + str(s.get("weight_format")))

@@ -38,7 +38,7 @@ needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ com
 # (M, I) per format: K tails of every kind (FP8: 200 = 6 x 32 + 8; MXFP4: 224 = 128 + 3 x 32; NVFP4: 208 =
 # 128 + 2 x 32 + 16, and I = 48 = 32 + 16)
 DIMS = {"fp8_block": (200, 72), "mxfp4": (224, 96), "nvfp4": (208, 48), "nvfp4_mul": (208, 48),
-        "int8": (200, 72), "float32": (72, 40), "bfloat16": (72, 40)}
+        "int8": (200, 72), "fp8_channel": (200, 72), "float32": (72, 40), "bfloat16": (72, 40)}
 DIMS["compact_bf16"] = (96, 40)  # a dense layer's weight only (no experts' form); K a multiple of 32
 DENSE_FORMATS = list(DIMS)
 FORMATS = [f for f in DENSE_FORMATS if f != "compact_bf16"]  # the experts' formats
@@ -109,7 +109,7 @@ def check_kernels_against_reference(shapes=tuple(SHAPES)) -> None:
     for fmt in DENSE_FORMATS:
         _check_dense(fmt)
     check_e4m3_codes()
-    check_int8_codes()
+    check_channel_codes()
 
 
 def check_e4m3_codes() -> None:
@@ -128,20 +128,24 @@ def check_e4m3_codes() -> None:
         np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), x[:, :1] * 0.5 * value[None, :])
 
 
-def check_int8_codes() -> None:
-    """Each of the 256 int8 codes alone in its row (at a different lane of a register each) with a power-of-two
-    channel scale, times activations that are powers of two: every output is exact (sign extension of -128 .. -1
-    included; the one-row, register-pass and many-row kernels)."""
-    codes = np.arange(-128, 128, dtype=np.int8)
+def check_channel_codes() -> None:
+    """Each int8 code (all 256) and each finite e4m3 code (254) alone in its row (at a different lane of a register
+    each) with a power-of-two channel scale, times activations that are powers of two: every output is exact
+    (int8's sign extension of -128 .. -1 and e4m3's subnormals included; the one-row, register-pass and many-row
+    kernels)."""
+    e4m3 = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8).view(ml_dtypes.float8_e4m3fn)
     K = 160  # a 32-column tail past the register chunks of 128
-    data = np.zeros((codes.size, K), np.int8)
-    data[np.arange(codes.size), (5 * np.arange(codes.size)) % K] = codes
-    scale = (2.0 ** -(np.arange(codes.size) % 7))[:, None].astype(np.float32)
-    w = pallas_kernels.Int8Weight(jnp.asarray(data), jnp.asarray(scale, jnp.float32))
-    value = codes.astype(np.float64) * scale[:, 0]
-    for rows in (1, 3, 12):
-        x = np.ones((rows, K), np.float32) * (2.0 ** np.arange(rows, dtype=np.float32))[:, None]
-        np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), x[:, :1] * value[None, :])
+    for codes, container in ((np.arange(-128, 128, dtype=np.int8), pallas_kernels.Int8Weight),
+                             (e4m3, pallas_kernels.Fp8ChannelWeight)):
+        data = np.zeros((codes.size, K), codes.dtype)
+        data[np.arange(codes.size), (5 * np.arange(codes.size)) % K] = codes
+        scale = (2.0 ** -(np.arange(codes.size) % 7))[:, None].astype(np.float32)
+        w = container(jnp.asarray(data), jnp.asarray(scale, jnp.float32))
+        value = codes.astype(np.float64) * scale[:, 0]
+        for rows in (1, 3, 12):
+            x = np.ones((rows, K), np.float32) * (2.0 ** np.arange(rows, dtype=np.float32))[:, None]
+            np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w)), x[:, :1] * value[None, :],
+                                          err_msg=container.__name__)
 
 
 def _check_dense(fmt, seed=1):
@@ -199,8 +203,8 @@ def test_every_e4m3_code_decodes_exactly():
 
 
 @needs_compiler
-def test_every_int8_code_decodes_exactly():
-    check_int8_codes()
+def test_every_per_channel_code_decodes_exactly():
+    check_channel_codes()
 
 
 @needs_compiler
@@ -277,14 +281,14 @@ TOP4 = {"type": "top", "k": 4}
 
 
 @needs_compiler
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "nvfp4", "int8", "fp8_channel"])
 @pytest.mark.parametrize("expert_type", ["swiglu", "gpt_oss"])
 def test_layer_native_equals_loop_and_auto_picks_it(expert_type, fmt):
     experts = {"type": expert_type, "count_per_node": 16, "hidden_size_per_expert": 64, "weight_format": fmt}
     native = make_config(TOP4, 128, experts, dropless_impl="native")
     loop = make_config(TOP4, 128, experts, dropless_impl="loop")
     auto = make_config(TOP4, 128, experts)
-    # CPU, packed experts: FP4 ones with int8 activations (test_native_q8), FP8 and int8 ones with float32
+    # CPU, packed experts: FP4 ones with int8 activations (test_native_q8), FP8 and per-channel ones with float32
     int8 = fmt in ("mxfp4", "nvfp4") and build.int8_pays_off()
     assert dropless.resolve_impl("auto", auto.experts, 8, 16) == ("native_int8" if int8 else "native")
     params = init_params(native, jax.random.key(0))

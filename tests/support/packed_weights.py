@@ -13,10 +13,10 @@ from tutel_jax import native
 
 def random_weight(rng: np.random.Generator, shape: tuple[int, ...], fmt: str):
     """(weight, float64 [..., out, in] value) of a N(0, 1/in) weight of logical shape [..., out, in] in `fmt`:
-    'float32' / 'bfloat16' arrays, 'fp8_block', 'mxfp4', 'nvfp4' or 'nvfp4_mul' (ModelOpt's NVFP4, whose global
-    scale multiplies) containers, or 'compact_bf16' (`native.CompactBf16`, 2-d only, with a few elements of every
-    kind that its codes do not hold: zeros, a subnormal, rare exponents): every one [..., out, in], as the models
-    keep their weights."""
+    'float32' / 'bfloat16' arrays, 'fp8_block', 'mxfp4', 'nvfp4', 'nvfp4_mul' (ModelOpt's NVFP4, whose global
+    scale multiplies), 'int8' or 'fp8_channel' containers, or 'compact_bf16' (`native.CompactBf16`, 2-d only, with
+    a few elements of every kind that its codes do not hold: zeros, a subnormal, rare exponents): every one
+    [..., out, in], as the models keep their weights."""
     w = jnp.asarray(rng.normal(size=shape).astype(np.float32) * shape[-1] ** -0.5)
     if fmt in ("float32", "bfloat16"):
         w = w.astype(fmt)

@@ -23,9 +23,10 @@
 
 'native': on CPU, the whole routed-experts step in one native call (`tutel_jax.native.moe_experts`, C++
   through XLA FFI, compiled on first use): the used experts' weights stream once, in memory order, over all
-  cores, packed ones (FP8 block, MXFP4, NVFP4, int8) decoded in registers. SwiGLU (silu) and GPT-OSS experts, float32,
-  bfloat16 or packed weights; computes in float32; gradients through the 'loop' path. The fastest CPU decode
-  path (XLA:CPU copies every expert chosen at run time before its matmul, and dequantizes packed ones).
+  cores, packed ones (FP8 block, MXFP4, NVFP4, per channel) decoded in registers. SwiGLU (silu) and GPT-OSS
+  experts, float32, bfloat16 or packed weights; computes in float32; gradients through the 'loop' path. The
+  fastest CPU decode path (XLA:CPU copies every expert chosen at run time before its matmul, and dequantizes packed
+  ones).
 
 'native_int8': 'native' with the activations of MXFP4 / NVFP4 experts that receive a few rows quantized to int8
   per block of 32 and multiplied in integer dot products (`native.moe_experts(activations='int8')`: llama.cpp's

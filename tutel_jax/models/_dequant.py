@@ -62,8 +62,11 @@ class _QuantizedCheckpointView(Mapping):
         self._q = (config or {}).get("quantization_config") or {}
         self._rules: dict[str, tuple[QuantFormat, WeightParts]] = {}
         hidden = set()
+        # the config's format (int8 and FP8 per channel share their tensor names), else every format's names
+        named = format_for_config(self._q) if self._q else None
+        formats = [named] if named is not None else list(FORMATS.values())
         for name in tensors:
-            for fmt in FORMATS.values():
+            for fmt in formats:
                 parts = fmt.find_parts(name, tensors)
                 if parts is not None:
                     self._rules[parts.base] = (fmt, parts)

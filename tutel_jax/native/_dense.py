@@ -4,7 +4,7 @@
 
 `w` is [N, K] ([out, in], as checkpoints store linear weights): float32 / bfloat16 rows (the models' linear
 weights, lm_head and tied embedding), the same bfloat16 values in 12 bits (`CompactBf16`) or a packed container
-(`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4, int8) of that logical shape. A decode step's attention
+(`pallas_kernels.quant`: FP8 block, MXFP4, NVFP4, per channel) of that logical shape. A decode step's attention
 projections and lm_head are bound by reading their weights; XLA:CPU first converts a bfloat16 (or dequantizes a
 packed) weight into float32 in memory, the kernel reads each weight byte once and decodes in registers.
 `worth_it(x, w)` is the models' rule for using it (CPU, a few rows, a weight the kernel reads).

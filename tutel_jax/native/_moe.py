@@ -3,7 +3,7 @@
 Decoding a few tokens is bound by reading the used experts' weights. XLA:CPU copies each expert's weights
 chosen at run time before multiplying them, and dequantizes a packed expert into float32 in memory; the native
 kernel streams the used experts' bytes once, in memory order, on every core of XLA's intra-op thread pool, and
-decodes packed formats (FP8 block, MXFP4, NVFP4, int8) in registers. `tutel_jax.layer._pipeline` uses it as
+decodes packed formats (FP8 block, MXFP4, NVFP4, per channel) in registers. `tutel_jax.layer._pipeline` uses it as
 `dropless_impl='native'`.
 
   moe_experts(x, ids, enc, dec, w1, w2, up=..., b1=..., b2=..., glu=...)   any GLU experts, float or packed

@@ -7,7 +7,8 @@
                                                             float32 scale_inv), MXFP4 (codes uint8 [E, N, K/2],
                                                             E8M0 scales), NVFP4 / NVFP4_MUL (codes, e4m3 scales,
                                                             global [E]; MUL: ModelOpt's multiplying global),
-                                                            INT8 (int8 codes, float32 scales [E, N])
+                                                            INT8 / FP8_CHANNEL (int8 / e4m3 codes, float32
+                                                            scales [E, N])
   a compact bfloat16 weight (`CompactBf16`)            -> COMPACT_BF16: groups, index, patches
 
 Every view is a reshape (no copy of the weight; e4m3 codes and scales go as they are, the kernels read their
@@ -23,21 +24,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.quant import format_of
-from pallas_kernels.quant.formats import FORMATS, absent, fp8_block, int8, mxfp4, nvfp4
+from pallas_kernels.quant.formats import FORMATS, absent, channel, fp8_block, mxfp4, nvfp4
 
 from .. import quant
 from ..validation import check_choice, check_int
 from ._build import int8_pays_off
 from ._compact_bf16 import NATIVE_ID as COMPACT_BF16, CompactBf16
 
-__all__ = ["FLOAT32", "BFLOAT16", "COMPACT_BF16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "INT8", "ACTIVATIONS",
-           "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
+__all__ = ["FLOAT32", "BFLOAT16", "COMPACT_BF16", "FP8_BLOCK", "MXFP4", "NVFP4", "NVFP4_MUL", "INT8", "FP8_CHANNEL",
+           "ACTIVATIONS", "weight_args", "unsupported", "empty", "check_activations", "check_max_workers",
            "int8_capable", "int8_by_default", "bias_arg"]
 
 FLOAT32, BFLOAT16 = 0, 1  # float [E, N, K] rows
 # the packed formats' ids live in their format modules
 FP8_BLOCK, MXFP4, NVFP4, NVFP4_MUL = fp8_block.NATIVE_ID, mxfp4.NATIVE_ID, nvfp4.NATIVE_ID, nvfp4.NATIVE_ID_MULTIPLIES
-INT8 = int8.NATIVE_ID
+INT8, FP8_CHANNEL = channel.INT8_NATIVE_ID, channel.FP8_CHANNEL_NATIVE_ID
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _MAX_WORKERS = 1 << 30
 #: how activations enter the FP4 (MXFP4, NVFP4) matmuls: 'float32' (exact products, float32

@@ -40,9 +40,10 @@ namespace tj {
 
 // The weight formats, as the Python side numbers them (tutel_jax/native/_weights.py). Every weight is [N, K]
 // rows ([out, in], as checkpoints store linear weights): float32 / bfloat16, or packed; kNvfp4Mul is NVFP4 whose
-// global scale multiplies (ModelOpt's weight_scale_2); kInt8Channel is int8 codes with a float32 scale per row.
+// global scale multiplies (ModelOpt's weight_scale_2); kInt8Channel / kFp8Channel are int8 / e4m3 codes with a
+// float32 scale per row.
 enum Format : int { kFloat32 = 0, kBFloat16 = 1, kFp8Block = 2, kMxfp4 = 3, kNvfp4 = 4, kNvfp4Mul = 5,
-                    kCompactBf16 = 6, kInt8Channel = 7 };
+                    kCompactBf16 = 6, kInt8Channel = 7, kFp8Channel = 8 };
 
 inline bool is_nv(int fmt) { return fmt == kNvfp4 || fmt == kNvfp4Mul; }
 inline bool is_fp4(int fmt) { return fmt == kMxfp4 || is_nv(fmt); }
@@ -97,9 +98,9 @@ TJ_INLINE Native e8m0(UNative e) { return (Native)select((UNative)(e == splat_u(
 struct PackedWeight {
   int fmt = kFp8Block;
   int64_t N = 0, K = 0;
-  const uint8_t* data = nullptr;   // codes: [N, K] (FP8, int8) or [N, K/2] (FP4)
+  const uint8_t* data = nullptr;   // codes: [N, K] (FP8, int8, FP8 per channel) or [N, K/2] (FP4)
   const uint8_t* scale = nullptr;  // [N, K/32] E8M0, [N, K/16] e4m3, float32 [ceil(N/128), ceil(K/128)] (FP8)
-                                   // or float32 [N] (int8) (compact bf16: its index)
+                                   // or float32 [N] (int8, FP8 per channel) (compact bf16: its index)
   float global = 1.0f;             // NVFP4's global scale
   const int32_t* patches = nullptr;  // compact bf16: [P, 3]
 
@@ -141,6 +142,7 @@ inline float decode_one(const PackedWeight& w, const float* table, int64_t n, in
     return e4m3_to_float(w.data[n * w.K + k]) * s[(n / kFp8Tile) * cols + k / kFp8Tile];
   }
   if (w.fmt == kInt8Channel) return float(int8_t(w.data[n * w.K + k])) * reinterpret_cast<const float*>(w.scale)[n];
+  if (w.fmt == kFp8Channel) return e4m3_to_float(w.data[n * w.K + k]) * reinterpret_cast<const float*>(w.scale)[n];
   const uint8_t byte = w.data[n * (w.K / 2) + k / 2];
   const int code = (k & 1) ? byte >> 4 : byte & 15;
   const int64_t block = fp4_block(w.fmt);
@@ -211,14 +213,22 @@ struct Fp8Chunks {
   }
 };
 
-// Chunk c of an int8 row: its codes times the row's scale (the products the reference's dequantized values are).
-struct Int8Chunks {
+// Chunk c of an int8 or e4m3 row with one scale: its codes times the row's scale (the products the reference's
+// dequantized values are; e4m3 codes decode times 2^-8, which the scale takes back).
+struct ChannelChunks {
   const uint8_t* codes;  // row's codes
   float scale;
+  bool e4m3;
   TJ_INLINE void get(int64_t c, Native* w) const {
     prefetch_stream(codes + c * kChunk);
+    const uint8_t* p = codes + c * kChunk;
+    if (e4m3) {
+      const Native s = splat(scale * 0x1p8f);
+      for (int v = 0; v < kChunkVectors; ++v) w[v] = e4m3_bytes_2m8(p + v * kNativeLanes) * s;
+      return;
+    }
     const Native s = splat(scale);
-    for (int v = 0; v < kChunkVectors; ++v) w[v] = int8_values(codes + c * kChunk + v * kNativeLanes) * s;
+    for (int v = 0; v < kChunkVectors; ++v) w[v] = int8_values(p + v * kNativeLanes) * s;
   }
 };
 
@@ -374,15 +384,15 @@ struct Fp4Row {
   }
 };
 
-// fn(chunks) with the chunk reader of row n of an FP8, int8 or float-rows weight.
+// fn(chunks) with the chunk reader of row n of an FP8, per-channel (int8, FP8) or float-rows weight.
 template <typename Fn>
 TJ_INLINE void with_row_chunks(const PackedWeight& w, int64_t n, Fn&& fn) {
   const int64_t K = w.K;
   if (w.fmt == kFp8Block) {
     const int64_t cols = (K + kFp8Tile - 1) / kFp8Tile;
     fn(Fp8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale) + (n / kFp8Tile) * cols});
-  } else if (w.fmt == kInt8Channel) {
-    fn(Int8Chunks{w.data + n * K, reinterpret_cast<const float*>(w.scale)[n]});
+  } else if (w.fmt == kInt8Channel || w.fmt == kFp8Channel) {
+    fn(ChannelChunks{w.data + n * K, reinterpret_cast<const float*>(w.scale)[n], w.fmt == kFp8Channel});
   } else if (w.fmt == kCompactBf16) {
     fn(CompactChunks{w.data + n * (K / kChunk) * kCompactGroup, w.high_bytes()});
   } else if (w.fmt == kFloat32) {

@@ -9,7 +9,8 @@
 //                        (format 5: the global scale multiplies, ModelOpt's weight_scale_2)
 //   compact bfloat16     data uint8 [E, N, K/32 * 48], index int32 [E, 16 + N + 1], patches int32 [E, P, 3]
 //                        (format 6, in the scale and global places; packed_rows.h)
-//   int8 per channel     data int8 [E, N, K], scale float32 [E, N] (format 7)
+//   int8 / FP8 per channel  data int8 / e4m3 (or its bytes as uint8) [E, N, K], scale float32 [E, N]
+//                        (formats 7 and 8)
 // A dense layer is the case E = 1.
 
 #pragma once
@@ -166,11 +167,13 @@ inline std::string parse_weight(const char* what, int64_t fmt, ffi::AnyBuffer da
     return "";
   }
   if (fmt == kCompactBf16) return parse_compact(name, data, scale, global, w);
-  if (fmt == kInt8Channel) {
+  if (fmt == kInt8Channel || fmt == kFp8Channel) {
     auto s = scale.dimensions();
-    if (data.element_type() != ffi::DataType::S8) return name + ": int8 codes must be int8 [E, N, K]";
+    const auto t = data.element_type();
+    if (fmt == kInt8Channel ? t != ffi::DataType::S8 : t != ffi::DataType::U8 && t != ffi::DataType::F8E4M3FN)
+      return name + ": per-channel codes must be int8 (or e4m3 / its bytes as uint8) [E, N, K]";
     if (scale.element_type() != ffi::DataType::F32 || s.size() != 2 || s[0] != w->E || s[1] != d[1])
-      return name + ": int8 scales must be float32 [E, N]";
+      return name + ": per-channel scales must be float32 [E, N]";
     w->N = d[1];
     w->K = d[2];
     w->data_stride = d[1] * d[2];

@@ -1,7 +1,8 @@
-"""Weights kept quantized in memory (FP8 block, MXFP4, NVFP4, int8): the containers and the dense matmul.
+"""Weights kept quantized in memory (FP8 block, MXFP4, NVFP4, per-channel int8 / FP8): the containers and the dense
+matmul.
 
 A quantized weight is one of `pallas_kernels.quant`'s containers (`Fp8BlockWeight`, `Mxfp4Weight`,
-`Nvfp4Weight`, `Int8Weight`), a pytree of its packed arrays in the HF layout [..., out, in].
+`Nvfp4Weight`, `Int8Weight`, `Fp8ChannelWeight`), a pytree of its packed arrays in the HF layout [..., out, in].
 
   dense(x [..., in], w [out, in]) -> [..., out]   (attention / dense MLP / shared-expert projections)
 

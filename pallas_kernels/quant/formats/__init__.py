@@ -1,6 +1,6 @@
-"""Quantized weight formats, one module each (`fp8_block`, `mxfp4`, `nvfp4`, `int8`), each a `QuantFormat` record:
-the container, its JAX and NumPy dequantizers, the quantizer, the HF checkpoint names, the native CPU format id,
-and the Triton and Mosaic TPU weight-tile code (see `_record.py`).
+"""Quantized weight formats (modules `fp8_block`, `mxfp4`, `nvfp4`, `channel`: `int8` and `fp8_channel`), each a
+`QuantFormat` record: the container, its JAX and NumPy dequantizers, the quantizer, the HF checkpoint names, the
+native CPU format id, and the Triton and Mosaic TPU weight-tile code (see `_record.py`).
 
 | container      | element                                   | scale                                            | dequant                          |
 |----------------|-------------------------------------------|--------------------------------------------------|----------------------------------|
@@ -8,6 +8,7 @@ and the Triton and Mosaic TPU weight-tile code (see `_record.py`).
 | Mxfp4Weight    | uint8 blocks [.., out, in/32, 16] (E2M1)  | uint8 E8M0 scales [.., out, in/32], UNSIGNED     | LUT[nibble] * 2**(s - 127)       |
 | Nvfp4Weight    | uint8 packed [.., out, in/2] (E2M1)       | e4m3 scale [.., out, in/16], f32 global [.., 1]  | LUT[nibble] * (scale / global)   |
 | Int8Weight     | int8 weight [.., out, in]                 | float32 scale [.., out, 1] (per output channel)  | w * scale                        |
+| Fp8ChannelWeight | float8_e4m3fn [.., out, in]             | float32 scale [.., out, 1] (per output channel)  | w * scale                        |
 
 A weight is stored [out, in] (HF layout: y = x @ W.T), optionally with leading expert dims [..., out, in]. The
 reference dequantizers are float32 and bit-identical to the NumPy formulas of the fixtures README. Adding a
@@ -26,19 +27,21 @@ from ._record import DiskTensor, QuantFormat, TensorSite, TpuTiles, WeightParts,
 from ._fp8_block import FP8_BLOCK, Fp8BlockWeight, dequant_fp8_block, quantize_fp8_block
 from ._mxfp4 import MXFP4_BLOCK, Mxfp4Weight, dequant_mxfp4, quantize_mxfp4
 from ._nvfp4 import NVFP4_BLOCK, Nvfp4Weight, dequant_nvfp4, quantize_nvfp4
-from ._int8 import Int8Weight, dequant_int8, quantize_int8
+from ._channel import Fp8ChannelWeight, Int8Weight, dequant_channel, quantize_fp8_channel, quantize_int8
 from ._compressed_tensors import METHOD as COMPRESSED_TENSORS
 from ._tpu_tiles import round_up
-from . import _fp8_block as fp8_block, _int8 as int8, _mxfp4 as mxfp4, _nvfp4 as nvfp4
+from . import _channel as channel, _fp8_block as fp8_block, _mxfp4 as mxfp4, _nvfp4 as nvfp4
 
 __all__ = ["round_up", "FORMATS", "QuantFormat", "DiskTensor", "WeightParts", "TensorSite", "TpuTiles", "absent",
            "format_of", "format_for_config", "E2M1_LUT", "FP8_MAX", "FP8_BLOCK", "MXFP4_BLOCK", "NVFP4_BLOCK",
-           "Fp8BlockWeight", "Mxfp4Weight", "Nvfp4Weight", "Int8Weight", "QuantizedWeight", "dequant_fp8_block",
-           "dequant_mxfp4", "dequant_nvfp4", "dequant_int8", "quantize_fp8_block", "quantize_mxfp4", "quantize_nvfp4",
-           "quantize_int8", "e2m1_to_f32", "e8m0_to_f32", "e4m3_to_f32", "unpack_fp4", "weight_bytes"]
+           "Fp8BlockWeight", "Mxfp4Weight", "Nvfp4Weight", "Int8Weight", "Fp8ChannelWeight", "QuantizedWeight",
+           "dequant_fp8_block", "dequant_mxfp4", "dequant_nvfp4", "dequant_channel", "quantize_fp8_block",
+           "quantize_mxfp4", "quantize_nvfp4", "quantize_int8", "quantize_fp8_channel", "e2m1_to_f32", "e8m0_to_f32",
+           "e4m3_to_f32", "unpack_fp4", "weight_bytes"]
 
 #: every format by name, in registration order
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (fp8_block.FORMAT, mxfp4.FORMAT, nvfp4.FORMAT, int8.FORMAT)}
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (fp8_block.FORMAT, mxfp4.FORMAT, nvfp4.FORMAT, channel.INT8,
+                                                       channel.FP8_CHANNEL)}
 _BY_CONTAINER = {f.container: f for f in FORMATS.values()}
 
 
@@ -51,7 +54,7 @@ def _config_keys(f: QuantFormat):
 _BY_METHOD = {key: f for f in FORMATS.values() for key in _config_keys(f)}
 _BY_METHOD[(COMPRESSED_TENSORS, None)] = nvfp4.FORMAT  # compressed-tensors without `format`: NVFP4 as ever
 
-QuantizedWeight = Fp8BlockWeight | Mxfp4Weight | Nvfp4Weight | Int8Weight
+QuantizedWeight = Fp8BlockWeight | Mxfp4Weight | Nvfp4Weight | Int8Weight | Fp8ChannelWeight
 
 
 def format_of(w: Any) -> QuantFormat | None:
