@@ -143,14 +143,18 @@ def qwen3_int8(tmp_path_factory):
     return path
 
 
-def test_abstract_int8_weights_match_the_loader(qwen3_int8):
+@pytest.mark.parametrize("element, strategy, dtype", [("int8", "channel", jnp.int8),
+                                                     ("fp8", "tensor", jnp.float8_e4m3fn)])
+def test_abstract_per_channel_weights_match_the_loader(tmp_path, element, strategy, dtype):
+    path = tmp_path / "quantized"
+    write_channel_copy(HF / "qwen3_moe", path, element=element, strategy=strategy)
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
-    real = from_pretrained(qwen3_int8, dtype=jnp.bfloat16, mesh=mesh, progress=False, per_layer_jit=False)
-    model = abstract_model(json.loads((qwen3_int8 / "config.json").read_text()), mesh, dtype=jnp.bfloat16)
+    real = from_pretrained(path, dtype=jnp.bfloat16, mesh=mesh, progress=False, per_layer_jit=False)
+    model = abstract_model(json.loads((path / "config.json").read_text()), mesh, dtype=jnp.bfloat16)
     got, got_def = jax.tree_util.tree_flatten_with_path(model.params)
     want, want_def = jax.tree_util.tree_flatten_with_path(real.params)
     assert got_def == want_def
-    assert any(a.dtype == jnp.int8 for _, a in got)
+    assert any(a.dtype == dtype for _, a in got)
     for (path, a), (_, b) in zip(got, want):
         assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec), jax.tree_util.keystr(path)
 
