@@ -178,8 +178,11 @@ def _check_hf_config(e: _Element):
 
 
 def _per_tensor(q: Mapping[str, Any]) -> bool:
-    groups = q.get("config_groups") or {}
-    return any(g.get("weights", {}).get("strategy") == "tensor" for g in groups.values() if isinstance(g, Mapping))
+    """Whether the config's weights have one scale per tensor (strategy 'tensor')."""
+    groups = q.get("config_groups")
+    groups = groups.values() if isinstance(groups, Mapping) else ()
+    weights = [g.get("weights") for g in groups if isinstance(g, Mapping)]
+    return any(isinstance(w, Mapping) and w.get("strategy") == "tensor" for w in weights)
 
 
 def _disk_tensors(e: _Element):
