@@ -93,11 +93,33 @@ def test_bad_model_and_arguments_exit_2(capsys, tmp_path):
 
 
 def test_execution_flags_are_shared_and_checked(capsys):
-    """The commands' shared execution flags: compile applies the kernel choice; other knobs are refused by name."""
-    rc, _, err = _run(capsys, str(HF / "qwen3_moe"), "--target", "h100", "--per-layer-jit", "on")
-    assert rc == 2 and "--per-layer-jit does not apply here" in err and len(err.strip().splitlines()) == 1
+    """The commands' shared execution flags: compile applies a loaded model's knobs (kernels, dropless, dense and
+    attention paths); per_layer_jit and the exchange knobs are refused by name, and so are the CPU kernels."""
+    for flag, value in (("--per-layer-jit", "on"), ("--a2a-overlap-degree", "2"), ("--dropless-exchange", "padded")):
+        rc, _, err = _run(capsys, str(HF / "qwen3_moe"), "--target", "h100", flag, value)
+        assert rc == 2 and f"{flag} does not apply here" in err and len(err.strip().splitlines()) == 1, err
     rc, _, err = _run(capsys, str(HF / "qwen3_moe"), "--target", "h100", "--kernel-backend", "cuda")
     assert rc == 2 and "--kernel-backend" in err and len(err.strip().splitlines()) == 1
+    for flag in ("--dropless-impl", "--dense-impl", "--attention-impl"):
+        rc, _, err = _run(capsys, str(HF / "qwen3_moe"), "--target", "v5p:2x2x2", flag, "native")
+        _one_error_line(err, f"{flag} native: a CPU kernel", "tpu target")
+        assert rc == 2
+
+
+def test_execution_knobs_reach_the_abstract_model():
+    """dropless_impl goes to every MoE layer, dense_impl and attention_impl to the model's spec, as
+    `from_pretrained`'s arguments of those names do."""
+    from tutel_jax.layer import Execution
+
+    config = json.loads((HF / "qwen3_moe" / "config.json").read_text())
+    mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+    model = abstract_model(config, mesh, execution=Execution(dropless_impl="bucketed", dense_impl="xla",
+                                                             attention_impl="xla"))
+    assert {c.dropless_impl for c in model.moe_configs if c is not None} == {"bucketed"}
+    assert (model.spec.dense_impl, model.spec.attention_impl) == ("xla", "xla")
+    plain = abstract_model(config, mesh)
+    assert plain.spec.dense_impl == "auto" and {c.dropless_impl for c in plain.moe_configs if c is not None} != {
+        "bucketed"}
 
 
 def test_config_missing_a_family_key_exits_2(capsys, tmp_path):

@@ -65,6 +65,11 @@ def _positive(text: str) -> int:
     return value
 
 
+#: the shared execution flags compile applies: a loaded model's knobs but per_layer_jit (its programs are the
+#: per-layer ones by design, the totals derived from them); the exchange knobs are expert-parallel training's
+KNOBS = tuple(k for k in execution.MODEL_KNOBS if k != "per_layer_jit")
+
+
 def _parser() -> _Parser:
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="HF checkpoint directory or config.json (no weights needed)")
@@ -131,14 +136,18 @@ def _cpu_only() -> None:
 
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:  # the programs are the per-layer ones with the platform's paths; the kernels can be chosen
-        knobs = execution.from_arguments(args, allowed=("kernel_backend",))
+    try:
+        knobs = execution.from_arguments(args, allowed=KNOBS)
     except ValueError as e:
         raise _Bad(str(e)) from None
     try:
         target = parse_target(args.target)
     except TargetError as e:
         raise _Bad(str(e)) from None
+    for field, value in knobs.set_fields().items():  # the native paths are CPU kernels; targets are GPUs and TPUs
+        if isinstance(value, str) and value.startswith("native"):
+            raise _Bad(f"--{field.replace('_', '-')} {value}: a CPU kernel, and {args.target} is a {target.platform} "
+                       "target (expected auto, xla or a path of that platform)")
     config = _read_config(args.model)
     _cpu_only()
     _check_config(config)
@@ -147,7 +156,7 @@ def _run(argv: list[str]) -> int:
     try:
         with execution.use_kernels(knobs.kernel_backend):  # the runtime level: every program compiled here
             result = compile_model(config, target, args.batch, args.seq, args.mode,
-                                   jnp.dtype(_dtype(config, args.dtype)), log=log)
+                                   jnp.dtype(_dtype(config, args.dtype)), log=log, execution=knobs)
     except ValueError as e:  # e.g. experts that the mesh cannot split
         raise _Bad(f"{args.model}: {e}") from None
     print(format_table(result))

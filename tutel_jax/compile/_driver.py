@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from .. import quant
+from ..layer import Execution
 from ..models import cache_dims, num_experts_of
 from ._programs import Step, build_steps
 from ._report import COLLECTIVES, analyze
@@ -154,18 +155,19 @@ def _xla_cost(parts: list[dict], hw: Any) -> dict:
 
 
 def compile_model(config: Mapping[str, Any], target: Target, batch: int, seq: int, mode: str = "serve",
-                  dtype: Any = jnp.bfloat16, log=lambda msg: None, decode_batches: tuple[int, ...] = ()) -> dict:
+                  dtype: Any = jnp.bfloat16, log=lambda msg: None, decode_batches: tuple[int, ...] = (),
+                  execution: Execution | None = None) -> dict:
     """The report of `config` on `target` (see `_cli.py` for the JSON fields). `decode_batches`: serving also
     reports the analytic decode roofline at these batch sizes (same placement and seq; nothing compiled), as
-    `decode_rooflines` {batch: roofline}. ValueError for a config the loader rejects; DevicelessUnavailable
-    without the target's compiler."""
+    `decode_rooflines` {batch: roofline}. `execution`: the model's paths (`abstract_model`). ValueError for a
+    config the loader rejects; DevicelessUnavailable without the target's compiler."""
     hw = target.hardware
     topo = topology_of(target)
     mesh, description = choose_mesh(topo, config)
     train = mode == "train"
-    model = abstract_model(config, mesh, dtype=dtype, quantized=not train)
+    model = abstract_model(config, mesh, dtype=dtype, quantized=not train, execution=execution)
     if _estimate(model, batch, seq, mode) > hw.hbm_bytes and len(topo.devices) > 1:
-        model = abstract_model(config, mesh, dtype=dtype, quantized=not train, shard_dense=True)
+        model = abstract_model(config, mesh, dtype=dtype, quantized=not train, shard_dense=True, execution=execution)
         description += "; dense weights split over all devices (replicated they do not fit)"
     else:
         description += "; dense weights (attention, norms, embedding, head, shared experts, gates) replicated"

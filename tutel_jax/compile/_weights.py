@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import quant
 from ..checkpoint import DTYPES
-from ..layer import make_config
+from ..layer import Execution, make_config
 from ..models import (from_pretrained, moe_hidden_size, attention_table, mlp_prefix, num_experts_of, QuantizedTensors,
                       checkpoint_layout, hf_tensor_shapes, DecoderSpec, spec_from_config)
 from ..models.families import family_of
@@ -176,11 +176,13 @@ def _place(part: str, value: Any, dtype: Any, mesh: Mesh, expert_axis: str, shar
 
 
 def abstract_model(config: Mapping[str, Any], mesh: Mesh, expert_axis: str = "expert", dtype: Any = jnp.bfloat16,
-                   quantized: bool = True, shard_dense: bool = False) -> AbstractModel:
+                   quantized: bool = True, shard_dense: bool = False,
+                   execution: Execution | None = None) -> AbstractModel:
     """The abstract `from_pretrained(..., dtype, mesh=mesh, expert_axis=expert_axis)` of `config` (see the
     module docstring). quantized=False: the weights of a quantized checkpoint as the loader's dequantized
-    float view (`from_pretrained(dequantize=True)`), e.g. to train them. ValueError for a config the loader
-    would reject (the message names the key)."""
+    float view (`from_pretrained(dequantize=True)`), e.g. to train them. `execution`: its dropless_impl,
+    dense_impl and attention_impl, where set, as `from_pretrained`'s arguments of those names. ValueError for a
+    config the loader would reject (the message names the key)."""
     try:
         spec = spec_from_config(config)
         hf_tensor_shapes(config)  # every key the layout needs
@@ -190,6 +192,10 @@ def abstract_model(config: Mapping[str, Any], mesh: Mesh, expert_axis: str = "ex
     dt_name = jnp.dtype(dtype).name
     place = lambda part, v, d: _place(part, v, d, mesh, expert_axis, shard_dense)
     options = loader_moe_options()
+    knobs = (execution or Execution()).set_fields()
+    if "dropless_impl" in knobs:
+        options["dropless_impl"] = knobs["dropless_impl"]
+    spec = dataclasses.replace(spec, **{k: v for k, v in knobs.items() if k in ("dense_impl", "attention_impl")})
     layers, moe_configs = [], []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
