@@ -40,7 +40,6 @@ from ..models.families import family_of
 __all__ = ["AbstractModel", "abstract_model", "abstract_tensors", "loader_moe_options", "per_device_bytes"]
 
 
-
 def loader_moe_options() -> dict[str, Any]:
     """The MoE options `from_pretrained` passes to every MoE layer with its default arguments (so the programs
     compiled here are what a default load runs, kernel choice included)."""
