@@ -162,6 +162,10 @@ def _draw(role: str, info: TensorInfo, n: int, rng: np.random.Generator, std: fl
         return rng.uniform(0.01, 0.03, n).astype(np.float32)
     if role == "global_scale":
         return np.full(n, 192.0, np.float32)
+    if role == "int8":  # per-channel int8 codes
+        return rng.integers(-127, 128, n, dtype=np.int8)
+    if role == "channel_scale":  # int8 codes x ~1/2000: about N(0, 0.03) weights
+        return rng.uniform(3e-4, 6e-4, n).astype(dtype)
     raise ValueError(f"tensor {info.name!r}: unknown role {role!r}")
 
 

@@ -132,6 +132,19 @@ def test_real_configs_and_sizes():
     assert spec.num_layers == 24 and spec.num_heads == 64 and spec.num_kv_heads == 8 and spec.head_dim == 64
 
 
+def test_every_role_of_every_format_can_be_generated():
+    """The generator draws values for each role a checkpoint layout can hold (float roles in each float dtype, every
+    weight format's parts in the dtype its layout writes: the role's first), finite and of the requested count."""
+    from tutel_jax.models._quant_layout import ALLOWED_DTYPES
+
+    rng = np.random.default_rng(0)
+    for role, codes in ALLOWED_DTYPES.items():
+        for code in codes if role in ("normal", "ones", "zeros") else codes[:1]:
+            values = MRS._draw(role, TensorInfo("x", code, (64,)), 64, rng, 0.02)
+            assert values.dtype == DTYPES[code] and values.shape == (64,), (role, code)
+            assert np.isfinite(values.astype(np.float32)).all(), (role, code)
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-20b-tiny", "qwen3-30b-a3b-half-tiny", "deepseek-v3-layer-tiny"])
 def test_tiny_models_generate_load_and_resume(tmp_path, name):
     out = MRS.make_model(name, tmp_path, progress=False, max_shard_bytes=600_000)
