@@ -12,21 +12,15 @@ import pytest
 
 from pallas_kernels.quant import FORMATS, format_for_config, format_of
 from pallas_kernels.quant.formats import TensorSite
+from support.channel_checkpoint import channel_config
 
 CODES = {"U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
          "F32": np.dtype(np.float32)}
 
 
-def ct_groups(kind: str, strategy: str = "channel") -> dict:
-    """compressed-tensors W8A8 config groups (llm-compressor's layout): symmetric 8-bit weights of `kind` ('int'
-    or 'float') per channel (or tensor), dynamic activations."""
-    return {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": kind, "symmetric": True,
-                                                           "strategy": strategy, "dynamic": False},
-                        "input_activations": {"num_bits": 8, "type": kind, "dynamic": True}}}
-
-
-CHANNEL_KINDS = {"int8": "int", "fp8_channel": "float"}
-INT8_WEIGHTS = ct_groups("int")["group_0"]["weights"]
+#: the per-channel formats' compressed-tensors element (`support.channel_checkpoint.channel_config`)
+CHANNEL_ELEMENTS = {"int8": "int8", "fp8_channel": "fp8"}
+INT8_WEIGHTS = channel_config("int8")["config_groups"]["group_0"]["weights"]
 EXPERTS, OUT, IN = 2, 48, 64
 
 
@@ -34,8 +28,8 @@ def _config(fmt) -> dict:
     q = {"quant_method": fmt.hf_methods[0]}
     if fmt.hf_formats:
         q["format"] = fmt.hf_formats[0]
-    if fmt.name in CHANNEL_KINDS:
-        q["config_groups"] = ct_groups(CHANNEL_KINDS[fmt.name])
+    if fmt.name in CHANNEL_ELEMENTS:
+        q["config_groups"] = channel_config(CHANNEL_ELEMENTS[fmt.name])["config_groups"]
     return q
 
 
@@ -171,7 +165,7 @@ def test_per_tensor_scale_reads_as_the_same_scale_per_channel():
     """compressed-tensors' strategy 'tensor' (one scale, e.g. FP8 static checkpoints): the layout stores [1], the
     reader gives every channel that scale, and the values equal the NumPy reference's."""
     fmt = FORMATS["fp8_channel"]
-    q = {**_config(fmt), "config_groups": ct_groups("float", "tensor")}
+    q = {**_config(fmt), "config_groups": channel_config("fp8", "tensor")["config_groups"]}
     fmt.check_hf_config(q)
     site = TensorSite("x.weight", (OUT, IN), linear=True, fused_expert=False)
     assert [t.shape for t in fmt.disk_tensors(site, q)] == [(OUT, IN), (1,)]
