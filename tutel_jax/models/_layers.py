@@ -113,7 +113,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
 
 class AttnContext(NamedTuple):
     """Where the T new tokens sit. positions [B, T] (RoPE); index: cache slot of the first new token, either
-    [] int32 shared by all rows (0 without a cache) or [B] int32, each row's own slot (continuous batching);
+    [] int32 shared by all rows (0 without a cache) or [B] int32, each row's own slot (continuous batching), or
+    None: slot 0 of a cache holding nothing before them (a prefill), which attention uses statically (it reads
+    only the first T slots, a block of queries only the keys it can see: `attend`);
     key_valid [B, L] bool: slots holding real tokens (padding False); query_valid [B, T] bool or None: which of
     the new tokens are real (None: all). MoE layers route only the real ones (padding takes no expert slot, and
     the native kernel reads no weights for it); the other outputs at padding are computed but never seen."""
@@ -125,11 +127,14 @@ class AttnContext(NamedTuple):
 
 
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """cache [B, H, L, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row).
+    """cache [B, H, L, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row;
+    None: 0).
 
     The cache is heads-major so that attention reads each head's keys contiguously (no per-step transpose).
     As with `dynamic_update_slice`, a start index is clamped so that the T slots fit in L."""
     new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, H, T, D]
+    if index is None:  # a prefill: slot 0
+        index = jnp.zeros((), jnp.int32)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, index, 0))
 
@@ -146,6 +151,53 @@ def _window_slots(a: jax.Array, start: jax.Array, window: int) -> jax.Array:
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, window, axis=1))(a, start)
 
 
+#: a prefill's queries go in at most this many blocks (each block attends over the keys it can see: about
+#: (n + 1) / 2n of the causal square's scores for n blocks), of at least PREFILL_MIN_BLOCK queries
+PREFILL_BLOCKS, PREFILL_MIN_BLOCK = 4, 128
+
+
+def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, scale: float,
+                       window: int | None, sinks: jax.Array | None) -> jax.Array:
+    """`attend` for T new tokens at slots 0 .. T-1 of a cache holding nothing before them: q [B, T, Hq, D], k
+    [B, Hkv, L, D], v [B, Hkv, L, Dv] (L >= T; slots from T on are never visible), key_valid [B, >= T] ->
+    [B, T, Hq, Dv].
+
+    The queries go in blocks of consecutive tokens; block [t0, t1) attends over slots [lo, t1) only (lo = 0, or
+    t0 - window + 1 with a sliding window), the slots a query of the block can see, so the scores of the
+    causal square's masked half (and the cache's slots past T) are never computed. Within a block the GQA
+    group's R query heads and the block's tokens are one matmul's rows ([R * Tb, D] against [Lb, D]), scores
+    float32 whatever the dtype; the masking and softmax are `attend`'s."""
+    B, T, Hq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    R = Hq // Hkv
+    qg = jnp.moveaxis(q.reshape(B, T, Hkv, R, D), 1, 3)  # [B, G, R, T, D]
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, Hkv, R, 1, 1)
+    size = max(PREFILL_MIN_BLOCK, -(-T // PREFILL_BLOCKS))
+    outs = []
+    for t0 in range(0, T, size):
+        t1 = min(t0 + size, T)
+        lo = 0 if window is None else max(0, t0 - window + 1)
+        n, m = t1 - t0, t1 - lo
+        qb = qg[:, :, :, t0:t1].reshape(B, Hkv, R * n, D)
+        s = jnp.einsum("bgmd,bgld->bgml", qb, k[:, :, lo:t1], preferred_element_type=jnp.float32) * scale
+        q_slot, k_slot = np.arange(t0, t1)[:, None], np.arange(lo, t1)[None, :]
+        allowed = k_slot <= q_slot
+        if window is not None:
+            allowed &= q_slot - k_slot < window
+        allowed = jnp.asarray(allowed)[None] & key_valid[:, None, lo:t1]  # [B, n, m]
+        s = jnp.where(allowed[:, None, None], s.reshape(B, Hkv, R, n, m), jnp.finfo(jnp.float32).min)
+        if sink is not None:
+            p = jax.nn.softmax(jnp.concatenate([s, jnp.broadcast_to(sink, (B, Hkv, R, n, 1))], axis=-1),
+                               axis=-1)[..., :-1]
+        else:
+            p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bgml,bgld->bgmd", p.reshape(B, Hkv, R * n, m).astype(v.dtype), v[:, :, lo:t1],
+                       preferred_element_type=jnp.float32)
+        outs.append(o.reshape(B, Hkv, R, n, Dv))
+    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)  # [B, G, R, T, Dv]
+    return jnp.moveaxis(o, 3, 1).reshape(B, T, Hq, Dv).astype(v.dtype)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: float, *,
            window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Causal (optionally sliding-window) attention of the new queries over all key slots.
@@ -155,7 +207,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
     (window) index + t - s < window (a decode step reads only the window's slots). Padding slots being
     contiguous at the start of a row, slot distances equal position distances. sinks [Hq]: a per-head logit
     joining the softmax and then dropped (GPT-OSS). A query with no visible key gets a finite (garbage) output.
+    ctx.index None (a prefill from slot 0): `_prefill_attention`, the same attention over the first T slots only.
     """
+    if ctx.index is None:
+        return _prefill_attention(q, k, v, ctx.key_valid, scale, window, sinks)
     B, T, Hq, _ = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     q = q.reshape(B, T, Hkv, Hq // Hkv, q.shape[-1])

@@ -211,7 +211,8 @@ def prefill_body(apply: Any, params: Any, ids: jax.Array, cache: Any, sampling: 
         real = (columns >= pad[:, None]) & (columns <= last_at[:, None])
         if live is not None:
             real = real & live[:, None]
-    ctx = AttnContext(positions, jnp.zeros((), jnp.int32), _key_valid(pad, _cache_slots(cache)[1]), real)
+    # index None: the prompts start at slot 0 of an empty cache (attention reads only their T slots)
+    ctx = AttnContext(positions, None, _key_valid(pad, _cache_slots(cache)[1]), real)
     logits, cache = apply(params, ids, ctx, cache, logits_at=last_at)  # [B, 1, V]
     return (*_next_tokens(logits, jnp.zeros((B,), jnp.int32), sampling), cache)
 
