@@ -126,7 +126,7 @@ class AttnContext(NamedTuple):
     query_valid: jax.Array | None = None
 
 
-def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array | None) -> jax.Array:
     """cache [B, H, L, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row;
     None: 0).
 
