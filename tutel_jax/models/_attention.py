@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ..native import attends_natively, decode_attention
 from .. import quant
-from ._layers import AttnContext, apply_rope, attend, linear, rms_norm, write_cache
+from ._layers import AttnContext, apply_rope, attend, linear, rms_norm, slot_index, write_cache
 from ._spec import DecoderSpec
 
 __all__ = ["gqa_attention", "mla_attention", "cache_dims"]
@@ -74,8 +74,7 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     q, k = _rope(q, cos, sin, spec.rotary_dim), _rope(k, cos, sin, spec.rotary_dim)
     if cache is not None and attends_natively(q, cache["k"], spec.attention_impl):
         # a decode step on CPU: the cache update and the attention over it in one native call, in place
-        index = jnp.zeros((), jnp.int32) if ctx.index is None else ctx.index  # None: a one-token prefill
-        o, ck, cv = decode_attention(q, k, v, cache["k"], cache["v"], index, ctx.key_valid,
+        o, ck, cv = decode_attention(q, k, v, cache["k"], cache["v"], slot_index(ctx.index), ctx.key_valid,
                                      D ** -0.5, window=window, sinks=p.get("sinks"))
         o, cache = o.astype(cache["v"].dtype), {"k": ck, "v": cv}
     else:

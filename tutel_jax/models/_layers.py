@@ -22,7 +22,7 @@ from ..experts import DENSE_IMPLS, check_dense_impl, linear, matmul_out_in, nati
 from ..native import dense
 
 __all__ = ["DENSE_IMPLS", "check_dense_impl", "rms_norm", "linear", "unembed", "swiglu_mlp", "rope_inv_freq", "rope_cos_sin", "apply_rope", "AttnContext",
-           "attend", "write_cache"]
+           "attend", "slot_index", "write_cache"]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -126,6 +126,11 @@ class AttnContext(NamedTuple):
     query_valid: jax.Array | None = None
 
 
+def slot_index(index: jax.Array | None) -> jax.Array:
+    """`AttnContext.index` as an array: None (a prefill from slot 0) is slot 0."""
+    return jnp.zeros((), jnp.int32) if index is None else index
+
+
 def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array | None) -> jax.Array:
     """cache [B, H, L, D] with new [B, T, H, D] written at slots index .. index+T-1 (index [] or [B]: per row;
     None: 0).
@@ -133,8 +138,7 @@ def write_cache(cache: jax.Array, new: jax.Array, index: jax.Array | None) -> ja
     The cache is heads-major so that attention reads each head's keys contiguously (no per-step transpose).
     As with `dynamic_update_slice`, a start index is clamped so that the T slots fit in L."""
     new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, H, T, D]
-    if index is None:  # a prefill: slot 0
-        index = jnp.zeros((), jnp.int32)
+    index = slot_index(index)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, index, 0))
 
@@ -149,6 +153,17 @@ def _window_slots(a: jax.Array, start: jax.Array, window: int) -> jax.Array:
     if jnp.ndim(start) == 0:
         return jax.lax.dynamic_slice_in_dim(a, start, window, axis=2)
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, window, axis=1))(a, start)
+
+
+def _masked_softmax(s: jax.Array, allowed: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the keys of float32 scores s [B, G, R, T, L] where allowed [B, T, L] (the others score
+    float32's lowest value); sinks [G * R]: a per-head logit joining the softmax and then dropped (GPT-OSS)."""
+    s = jnp.where(allowed[:, None, None], s, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        return jax.nn.softmax(s, axis=-1)
+    G, R = s.shape[1], s.shape[2]
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, G, R, 1, 1), s.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
 
 
 #: a prefill's queries go in at most this many blocks (each block attends over the keys it can see: about
@@ -166,12 +181,11 @@ def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.
     t0 - window + 1 with a sliding window), the slots a query of the block can see, so the scores of the
     causal square's masked half (and the cache's slots past T) are never computed. Within a block the GQA
     group's R query heads and the block's tokens are one matmul's rows ([R * Tb, D] against [Lb, D]), scores
-    float32 whatever the dtype; the masking and softmax are `attend`'s."""
+    float32 whatever the dtype; the masking and softmax are `attend`'s (`_masked_softmax`)."""
     B, T, Hq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     R = Hq // Hkv
     qg = jnp.moveaxis(q.reshape(B, T, Hkv, R, D), 1, 3)  # [B, G, R, T, D]
-    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, Hkv, R, 1, 1)
     size = max(PREFILL_MIN_BLOCK, -(-T // PREFILL_BLOCKS))
     outs = []
     for t0 in range(0, T, size):
@@ -184,13 +198,8 @@ def _prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.
         allowed = k_slot <= q_slot
         if window is not None:
             allowed &= q_slot - k_slot < window
-        allowed = jnp.asarray(allowed)[None] & key_valid[:, None, lo:t1]  # [B, n, m]
-        s = jnp.where(allowed[:, None, None], s.reshape(B, Hkv, R, n, m), jnp.finfo(jnp.float32).min)
-        if sink is not None:
-            p = jax.nn.softmax(jnp.concatenate([s, jnp.broadcast_to(sink, (B, Hkv, R, n, 1))], axis=-1),
-                               axis=-1)[..., :-1]
-        else:
-            p = jax.nn.softmax(s, axis=-1)
+        p = _masked_softmax(s.reshape(B, Hkv, R, n, m), jnp.asarray(allowed)[None] & key_valid[:, None, lo:t1],
+                            sinks)
         o = jnp.einsum("bgml,bgld->bgmd", p.reshape(B, Hkv, R * n, m).astype(v.dtype), v[:, :, lo:t1],
                        preferred_element_type=jnp.float32)
         outs.append(o.reshape(B, Hkv, R, n, Dv))
@@ -239,14 +248,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, ctx: AttnContext, scale: fl
     allowed = k_slot[..., None, :] <= q_slot[..., None]  # [T, L] or [B, T, L]
     if window is not None:
         allowed &= (q_slot[..., None] - k_slot[..., None, :]) < window
-    allowed = allowed & key_valid[:, None, :]  # [B, T, L]
-    s = jnp.where(allowed[:, None, None], s, jnp.finfo(jnp.float32).min)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, Hq // Hkv)[None, :, :, None, None],
-                                s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-        p = jax.nn.softmax(s, axis=-1)
+    p = _masked_softmax(s, allowed & key_valid[:, None, :], sinks)
     if group_dot:
         o = jnp.einsum("bgrl,bgld->bgrd", p[:, :, :, 0], v.astype(jnp.float32))[:, None].astype(v.dtype)
     elif T == 1:
