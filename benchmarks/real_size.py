@@ -21,7 +21,8 @@ Each model runs in its own child process (so its peak RSS is its own), alone, in
           STREAM's convention: bytes read + written per second), for comparison;
   roofline  bytes read per decode step / step time / read bandwidth, the steps and reads of those paired runs
           (medians; the copy ratio: the decode run's steps). Bytes per step: every non-expert weight
-          (attention, norms, routers, lm_head; the embedding's B rows), plus each MoE layer's used experts:
+          (attention, norms, routers, lm_head; the embedding's B rows; MLA's absorbed kv_b_proj halves in place
+          of kv_b_proj), plus each MoE layer's used experts:
           E * (1 - (1 - k/E)^B) of them on average (uniform routing, which random weights give).
   serve   after the child has exited: `tutel-jax serve` (bfloat16, --max-len slots per row) answers the
           official `openai` client (a chat completion, then a streamed one), then a few concurrent clients send
@@ -217,7 +218,9 @@ class Decoder:
 
 def decode_bytes(model: Any, batch: int) -> float:
     """Bytes read by one decode step at `batch` (module docstring): non-expert weights (the embedding's rows
-    only) plus the expected used experts of every MoE layer."""
+    only; an MLA layer's kv_b_proj not where the step reads its absorbed halves instead) plus the expected used
+    experts of every MoE layer."""
+    from tutel_jax.models._param_layout import ABSORBED_K
     from tutel_jax.quant import _weights as quant_weights
 
     params = model.params
@@ -229,6 +232,8 @@ def decode_bytes(model: Any, batch: int) -> float:
             total += quant_weights.resident_bytes(value)
     for layer, cfg in zip(params["layers"], model.moe_configs):
         for name, value in layer.items():
+            if name == "attn" and ABSORBED_K in value:
+                value = {k: v for k, v in value.items() if k != "kv_b_proj"}
             if name != "moe":
                 total += quant_weights.resident_bytes(value)
                 continue

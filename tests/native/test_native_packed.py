@@ -159,6 +159,16 @@ def _check_dense(fmt, seed=1):
         _close(jax.jit(dense)(x, w, b), x.astype(np.float64) @ w_ref.T + b)
         xb = x.astype(ml_dtypes.bfloat16)  # exactly bfloat16 rows: the bfloat16 dot products where the build has them
         _close(jax.jit(dense)(xb, w), xb.astype(np.float64) @ w_ref.T)
+    if fmt == "compact_bf16":  # 2-d only
+        return
+    # per head: a stack [H, N, K], x [H, R, K] -> [H, R, N] (each head's rows times its own weight)
+    w, w_ref = random_weight(rng, (3, 100, model_dim), fmt)
+    for rows in (1, 3, 11):
+        x = rng.normal(size=(3, rows, model_dim)).astype(np.float32)
+        _close(jax.jit(dense)(x, w), np.einsum("hrk,hnk->hrn", x.astype(np.float64), w_ref))
+        _close(jax.jit(dense)(x, w, b[:100]), np.einsum("hrk,hnk->hrn", x.astype(np.float64), w_ref) + b[:100])
+        xb = x.astype(ml_dtypes.bfloat16)
+        _close(jax.jit(dense)(xb, w), np.einsum("hrk,hnk->hrn", xb.astype(np.float64), w_ref))
 
 
 @needs_compiler
@@ -219,6 +229,10 @@ def test_dense_leading_axes_and_errors():
         dense(x, w, np.zeros(41, np.float32))
     with pytest.raises(ValueError, match="cannot read float16 weights"):
         dense(x, np.zeros((8, 64), np.float16))
+    with pytest.raises(ValueError, match=r"a stack of 2 heads takes x \[2, R, 64\], got \[2, 3, 4, 64\]"):
+        dense(x[:, :, None].repeat(4, 2), np.zeros((2, 8, 64), np.float32))
+    with pytest.raises(ValueError, match="expected a 2-d weight or a 3-d stack of heads"):
+        dense(x, np.zeros((1, 2, 8, 64), np.float32))
 
 
 @needs_compiler

@@ -14,7 +14,8 @@ from .. import quant
 from ..native import CompactBf16, dense, worth_it, int8_by_default
 from ..validation import check_choice
 
-__all__ = ["DENSE_IMPLS", "check_dense_impl", "linear", "matmul_out_in", "native_activations", "xla_weight"]
+__all__ = ["DENSE_IMPLS", "check_dense_impl", "head_linear", "linear", "matmul_out_in", "native_activations",
+           "xla_weight"]
 
 DENSE_IMPLS = ("auto", "xla", "native", "native_int8")
 
@@ -50,6 +51,19 @@ def linear(x: jax.Array, w: Any, b: jax.Array | None = None, impl: str = "auto")
     w = xla_weight(w)
     y = quant.dense(x, w) if quant.is_quantized(w) else matmul_out_in(x, w)
     return y if b is None else y + b
+
+
+def head_linear(x: jax.Array, w: jax.Array, impl: str = "auto") -> jax.Array:
+    """Each head its own projection: x [..., H, in] @ w[h].T -> [..., H, out] in x's dtype; w [H, out, in] float
+    (e.g. MLA's absorbed kv_b_proj halves). impl as in `linear`: the native kernel, all heads in one call (a
+    decode step's few rows of a bfloat16 stack on CPU), or one XLA einsum."""
+    lead, (heads, k) = x.shape[:-2], x.shape[-2:]
+    xh = jnp.swapaxes(x.reshape(-1, heads, k), 0, 1)  # [H, R, in]
+    activations = native_activations(xh, w, impl)
+    if activations is not None:
+        y = dense(xh, w, activations=activations)  # [H, R, out]
+        return jnp.swapaxes(y, 0, 1).reshape(*lead, heads, w.shape[1]).astype(x.dtype)
+    return jnp.einsum("...hi,hoi->...ho", x, w.astype(x.dtype))
 
 
 def xla_weight(w: Any) -> Any:

@@ -18,9 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..experts import head_linear
 from ..native import attends_natively, decode_attention
 from .. import quant
 from ._layers import AttnContext, apply_rope, attend, linear, rms_norm, slot_index, write_cache
+from ._param_layout import ABSORBED_K, ABSORBED_V
 from ._spec import DecoderSpec
 
 __all__ = ["gqa_attention", "mla_attention", "cache_dims"]
@@ -83,11 +85,16 @@ def gqa_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
     return linear(o.reshape(B, T, -1), p["o_proj"], p.get("o_bias"), spec.dense_impl), cache
 
 
-def _kv_b_heads(w: Any, heads: int, dtype: Any) -> jax.Array:
-    """kv_b_proj as `dtype` [H, nope + v, kv_lora] (out, in per head) from the weight [H*(nope+v), kv_lora], float
-    or a packed container (dequantized: kv_lora x H*(nope+v) values, a few MB per layer)."""
+def _absorbed(p: Mapping[str, Any], heads: int, nope: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj's absorbed halves as `dtype` stacks [out, in] per head: W_UK^T [H, kv_lora, nope] and W_UV [H, v,
+    kv_lora]; those the model holds (`param_layout.absorbed_mla_weights`), else from kv_b_proj [H*(nope+v),
+    kv_lora], float or a packed container (dequantized at every call: kv_lora x H*(nope+v) values a layer)."""
+    if ABSORBED_K in p:
+        return p[ABSORBED_K].astype(dtype), p[ABSORBED_V].astype(dtype)
+    w = p["kv_b_proj"]
     w = quant.dequantize(w, dtype) if quant.is_quantized(w) else jnp.asarray(w, dtype)
-    return w.reshape(heads, -1, w.shape[-1])
+    w = w.reshape(heads, -1, w.shape[-1])  # [H, nope + v, kv_lora]
+    return jnp.swapaxes(w[:, :nope], 1, 2), w[:, nope:]
 
 
 def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: AttnContext,
@@ -122,11 +129,11 @@ def mla_attention(p: Mapping[str, Any], x: jax.Array, cos: jax.Array, sin: jax.A
         k, v, _ = _with_cache(k, v, None, ctx)
         o = attend(q, k, v, ctx, m.softmax_scale)
     else:
-        w = _kv_b_heads(p["kv_b_proj"], H, x.dtype)  # [H, nope + v, kv_lora]
+        w_k, w_v = _absorbed(p, H, m.qk_nope_dim, x.dtype)  # [H, kv_lora, nope], [H, v, kv_lora]
         ck, cv, cache = _with_cache(k_rot, latent[:, :, None], cache, ctx)  # [B, 1, L, rope], [B, 1, L, kv_lora]
         # in the model dtype, as the per-head keys and queries of the decompressed form are
-        q_lat = jnp.einsum("bthn,hnc->bthc", q_pass.astype(x.dtype), w[:, :m.qk_nope_dim])
+        q_lat = head_linear(q_pass.astype(x.dtype), w_k, spec.dense_impl)  # [B, T, H, kv_lora]
         q = jnp.concatenate([q_lat.astype(q_rot.dtype), q_rot], axis=-1)  # [B, T, H, kv_lora + rope]
         o_lat = attend(q, jnp.concatenate([cv, ck], axis=-1), cv, ctx, m.softmax_scale)  # [B, T, H, kv_lora]
-        o = jnp.einsum("bthc,hvc->bthv", o_lat.astype(x.dtype), w[:, m.qk_nope_dim:])
+        o = head_linear(o_lat.astype(x.dtype), w_v, spec.dense_impl)  # [B, T, H, v]
     return linear(o.reshape(B, T, -1), p["o_proj"], impl=spec.dense_impl), cache

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..checkpoint import open_checkpoint
-from ..core import collapse_to_huge_pages
+from ..core import collapse_to_huge_pages, platform
 from ..native import check_attention_impl, compact_pays_off
 from ._attention import cache_dims
 from ._decoder import context_from_mask, forward
@@ -30,7 +30,7 @@ from ._dequant import DequantizedTensors, QuantizedTensors, check_quantization_c
 from ._hf_tables import load_params
 from ._layer_programs import LayerPrograms
 from ._layers import AttnContext, check_dense_impl
-from ._param_layout import compact_bf16_weights
+from ._param_layout import absorbed_mla_weights, compact_bf16_weights
 from ._placement import MeshPlacement
 from ._quant_layout import auto_compute_dtype, check_checkpoint_header
 from ._spec import DecoderSpec, read_config, spec_from_config
@@ -143,6 +143,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     default: where the native dense kernel runs them, i.e. a bfloat16 model on CPU, no mesh, dense_impl 'auto' or
     'native', and an x86 build, which decodes the codes faster than memory delivers them,
     `native.compact_pays_off`).
+    An MLA model on CPU without a mesh also holds each layer's kv_b_proj halves absorbed, as per-head stacks in
+    `dtype` (`param_layout.absorbed_mla_weights`): its decode steps read them instead of dequantizing kv_b_proj
+    at every step.
     The loaded weights of 4 MiB and more are moved onto 2 MiB pages where the kernel can
     (`core.collapse_to_huge_pages`, Linux): a decode step streams them all, and a core reads huge pages faster.
     `tensors` overrides the checkpoint's tensors (the caller's arrays: not finite-checked). `progress`: a
@@ -190,6 +193,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32,
     finally:
         if tensors is None:
             ckpt.close()
+    if spec.mla is not None and mesh is None and platform() == "cpu":
+        params = absorbed_mla_weights(params, spec, dtype)
     if compact_bf16:
         params = compact_bf16_weights(params)
     collapse_to_huge_pages(params)  # a decode step streams them all: 2 MiB pages read faster (host_memory)

@@ -7,7 +7,8 @@ step streams fastest (each output one contiguous row). The GQA attention's float
 three. Quantized containers are never fused.
 
 `to_memory` / `to_disk` convert one layer's attention dict; `compact_bf16_weights` puts a bfloat16 model's dense
-weights in the CPU decode layout (`native.CompactBf16`: the same values in 12 bits).
+weights in the CPU decode layout (`native.CompactBf16`: the same values in 12 bits); `absorbed_mla_weights` adds
+an MLA model's absorbed kv_b_proj halves, the per-head weights its decode step multiplies by.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import concurrent.futures
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import quant
-from ..core import usable_cpus
+from ..core import empty_aligned, usable_cpus
 from ..native import compact_bf16
 from ._spec import DecoderSpec
 
-__all__ = ["compact_bf16_weights", "qkv_sizes", "to_memory", "to_disk"]
+__all__ = ["absorbed_mla_weights", "compact_bf16_weights", "qkv_sizes", "to_memory", "to_disk"]
 
 _QKV = ("q", "k", "v")
 
@@ -91,3 +94,34 @@ def compact_bf16_weights(params: dict) -> dict:
         for h in holders:
             h[name] = h[name].with_patch_capacity(count)
     return params
+
+
+#: the absorbed halves of an MLA layer's kv_b_proj (`absorbed_mla_weights`), by attention key
+ABSORBED_K, ABSORBED_V = "kv_b_absorbed_k", "kv_b_absorbed_v"
+
+
+def absorbed_mla_weights(params: dict, spec: DecoderSpec, dtype: Any) -> dict:
+    """An MLA model's decode layout, in place: beside each layer's kv_b_proj [H*(nope+v), kv_lora] (float or
+    packed), its halves as `dtype` stacks of heads, [out, in] per head: ABSORBED_K = W_UK^T [H, kv_lora, nope] (the
+    query's absorption) and ABSORBED_V = W_UV [H, v, kv_lora] (the output's); see `mla_attention`. The values are
+    the ones that attention computed from kv_b_proj at every step before (dequantized, cast to `dtype`); a decode
+    step now reads them as they are (a few rows: the native kernel, one call for all heads). kv_b_proj stays for
+    the paths without a cache and for export. Returns params."""
+    m = spec.mla
+    for lp in params["layers"]:
+        attn = lp["attn"]
+        if "kv_b_proj" not in attn:
+            continue
+        w = np.asarray(quant.dequantize(attn["kv_b_proj"], jnp.float32))
+        w = w.reshape(spec.num_heads, m.qk_nope_dim + m.v_dim, m.kv_lora_rank).astype(jnp.dtype(dtype))
+        attn[ABSORBED_K] = _device_array(w[:, :m.qk_nope_dim].transpose(0, 2, 1))
+        attn[ABSORBED_V] = _device_array(w[:, m.qk_nope_dim:])
+    return params
+
+
+def _device_array(a: np.ndarray) -> jax.Array:
+    """`a` as a jax array, through an aligned host copy (on CPU the array then uses that memory, no second copy;
+    a NumPy argument would be transferred at every call)."""
+    out = empty_aligned(a.shape, a.dtype)
+    out[...] = a
+    return quant.to_jax(out, a.dtype)

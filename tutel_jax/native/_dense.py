@@ -1,6 +1,7 @@
 """A dense linear layer for a few rows in one native CPU call (`dense_cpu.cc`, an XLA FFI custom call).
 
     dense(x [..., K], w [N, K], b=None) -> float32 [..., N]
+    dense(x [H, R, K], w [H, N, K])      -> float32 [H, R, N]   (each head h: x[h] @ w[h].T)
 
 `w` is [N, K] ([out, in], as checkpoints store linear weights): float32 / bfloat16 rows (the models' linear
 weights, lm_head and tied embedding), the same bfloat16 values in 12 bits (`CompactBf16`) or a packed container
@@ -50,32 +51,40 @@ def compact_pays_off() -> bool:
 
 
 def worth_it(x: jax.Array, w: Any) -> bool:
-    """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads."""
-    if math.prod(x.shape[:-1]) > MAX_ROWS or unsupported(w) is not None:
+    """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads; or per
+    head, x [H, R, K] and a stack [H, N, K] of them, at most MAX_ROWS rows R."""
+    heads = len(quant.logical_shape(w)) - 2
+    if heads not in (0, 1) or (heads and (x.ndim != 3 or x.shape[0] != quant.logical_shape(w)[0])):
         return False
-    if not quant.is_quantized(w) and (w.ndim != 2 or w.dtype != jnp.bfloat16):  # compact: bfloat16 too
+    if math.prod(x.shape[heads:-1]) > MAX_ROWS or unsupported(w) is not None:
+        return False
+    if not quant.is_quantized(w) and w.dtype != jnp.bfloat16:  # compact: bfloat16 too
         return False  # float32 matvecs XLA streams well
     return available()
 
 
 def dense(x: jax.Array, w: Any, b: jax.Array | None = None, *, activations: str = "float32",
           max_workers: int | None = None) -> jax.Array:
-    """x [..., K] @ w.T (+ b [N]) -> float32 [..., N]; w [N, K] float rows or a packed container.
+    """x [..., K] @ w.T (+ b [N]) -> float32 [..., N]; w [N, K] float rows or a packed container. Or per head:
+    x [H, R, K] and a stack w [H, N, K] -> [H, R, N], row block h times w[h] (b [N] added to every head).
     activations: 'float32', or 'int8' for an MXFP4 / NVFP4 weight (see `moe.moe_experts`)."""
     workers = check_max_workers(max_workers, "dense")
     int8 = check_activations(activations, "dense")
     shape = quant.logical_shape(w)
-    if len(shape) != 2:
-        raise ValueError(f"dense: expected a 2-d weight, got {shape}")
-    n, k = shape
+    if len(shape) not in (2, 3):
+        raise ValueError(f"dense: expected a 2-d weight or a 3-d stack of heads, got {shape}")
+    n, k = shape[-2:]
     if x.shape[-1] != k:
         raise ValueError(f"dense: x [..., {x.shape[-1]}] does not match the weight's K={k}")
+    if len(shape) == 3 and (x.ndim != 3 or x.shape[0] != shape[0]):
+        raise ValueError(f"dense: a stack of {shape[0]} heads takes x [{shape[0]}, R, {k}], got {list(x.shape)}")
     if b is not None and tuple(b.shape) != (n,):
         raise ValueError(f"dense: bias must be [{n}], got {tuple(b.shape)}")
-    fmt, data, scale, glob = weight_args(jax.tree_util.tree_map(lambda a: a[None], w))
+    fmt, data, scale, glob = weight_args(w if len(shape) == 3 else jax.tree_util.tree_map(lambda a: a[None], w))
     ensure_registered()
-    rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
+    rows = (x if len(shape) == 3 else x.reshape(-1, k)).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(rows.shape[:-1] + (n,), jnp.float32),
+                            vmap_method="sequential")
     y = call(rows, data, scale, glob, empty() if b is None else bias_arg(b), format=np.int64(fmt),
              int8_activations=int8, max_workers=np.int64(workers))
     y = varying_like(y, x, *jax.tree_util.tree_leaves((w, b)))

@@ -1,6 +1,7 @@
 // tutel-jax native CPU kernel: a dense linear layer for a few rows, as an XLA FFI custom call.
 //
 //   y [R, N] = x [R, K] @ W.T (+ b [N], float32 or bfloat16)
+//   y [H, R, N] = x [H, R, K] @ W[h].T per head h (a weight stack [H, N, K]: e.g. MLA's absorbed kv_b_proj)
 //
 // W [N, K] rows ([out, in], as checkpoints store linear weights): float32 / bfloat16, or packed FP8 block / MXFP4
 // / NVFP4 decoded in registers; see weights.h. Every weight byte is read once: the layer runs at the speed of
@@ -24,25 +25,29 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
                      ffi::AnyBuffer w_global, ffi::AnyBuffer b, ffi::Result<ffi::Buffer<ffi::F32>> y,
                      int64_t format, bool int8_activations, int64_t max_workers) {
   auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("dense: expected x [R, K]");
+  if (xd.size() != 2 && xd.size() != 3) return ffi::Error::InvalidArgument("dense: expected x [R, K] or [H, R, K]");
   tj::Weight w;
   std::string err = tj::parse_weight("weight", format, w_data, w_scale, w_global, &w);
   if (!err.empty()) return ffi::Error::InvalidArgument("dense: " + err);
-  const int64_t R = xd[0], K = xd[1], N = w.N;
-  if (w.E != 1 || w.K != K) return ffi::Error::InvalidArgument("dense: weight must be [1, N, K] rows");
+  const bool heads = xd.size() == 3;
+  const int64_t H = heads ? xd[0] : 1, R = xd[heads ? 1 : 0], K = xd[heads ? 2 : 1], N = w.N;
+  if (w.E != H || w.K != K)
+    return ffi::Error::InvalidArgument("dense: weight must be [1, N, K] rows for x [R, K], [H, N, K] for x [H, R, K]");
   const tj::Bias bias(b);
   if ((bias.present() && bias.size != N) || !bias.valid())
     return ffi::Error::InvalidArgument("dense: bias must be float32 or bfloat16 [N]");
-  if (y->dimensions()[0] != R || y->dimensions()[1] != N)
-    return ffi::Error::InvalidArgument("dense: output must be [R, N]");
-  if (R == 0 || N == 0) return ffi::Error::Success();
+  auto yd = y->dimensions();
+  if (yd.size() != xd.size() || (heads && yd[0] != H) || yd[yd.size() - 2] != R || yd[yd.size() - 1] != N)
+    return ffi::Error::InvalidArgument("dense: output must be [R, N] ([H, R, N] for heads)");
+  if (H == 0 || R == 0 || N == 0) return ffi::Error::Success();
 
-  // the rows as the kernel reads them: int8 (q8_rows.h) when asked for and taken, else arranged float32
+  // the rows as the kernel reads them (each head's R rows after the previous head's): int8 (q8_rows.h) when asked
+  // for and taken, else arranged float32
   const bool q8 = int8_activations && w.takes_q8();
-  const int64_t block = tj::fp4_block(w.fmt), ldq = tj::q8_row_bytes(K, block);
-  std::vector<uint8_t> xq(q8 ? R * ldq : 0);
-  std::vector<float> xa(q8 ? 0 : R * K);
-  for (int64_t r = 0; r < R; ++r) {
+  const int64_t block = tj::fp4_block(w.fmt), ldq = tj::q8_row_bytes(K, block), rows = H * R;
+  std::vector<uint8_t> xq(q8 ? rows * ldq : 0);
+  std::vector<float> xa(q8 ? 0 : rows * K);
+  for (int64_t r = 0; r < rows; ++r) {
     if (q8)
       tj::quantize_q8(x.typed_data() + r * K, K, block, tj::q8_block_lanes(w.fmt, R), xq.data() + r * ldq);
     else
@@ -50,18 +55,22 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   }
   // rows of a bfloat16 model (exactly bfloat16) times bfloat16 rows: its dot products (bf16_rows.h)
   std::vector<uint16_t> xb;
-  if (!q8 && w.takes_bf16(xa.data(), int(R), K)) {
-    xb.resize(R * tj::bf16_row_len(K));
-    tj::to_bf16_rows(xa.data(), int(R), K, K, xb.data());
+  bool bf16 = !q8;
+  for (int64_t h = 0; bf16 && h < H; ++h) bf16 = w.takes_bf16(xa.data() + h * R * K, int(R), K);
+  const int64_t ldb = tj::bf16_row_len(K);
+  if (bf16) {
+    xb.resize(rows * ldb);
+    tj::to_bf16_rows(xa.data(), int(rows), K, K, xb.data());
   }
   float* out = y->typed_data();
-  const int64_t width = tj::Weight::kItemRows;
-  tj::run_items(pool, (N + width - 1) / width, max_workers, [&](int64_t i) {
-    const int64_t n0 = i * width, n1 = std::min(N, n0 + width);
-    w.rows(0, xa.data(), int(R), K, n0, n1, out + n0, N, q8 ? xq.data() : nullptr, ldq,
-           xb.empty() ? nullptr : xb.data());
+  const int64_t width = tj::Weight::kItemRows, blocks = (N + width - 1) / width;
+  tj::run_items(pool, H * blocks, max_workers, [&](int64_t i) {
+    const int64_t h = i / blocks, n0 = (i % blocks) * width, n1 = std::min(N, n0 + width);
+    float* o = out + h * R * N;
+    w.rows(h, xa.data() + (q8 ? 0 : h * R * K), int(R), K, n0, n1, o + n0, N, q8 ? xq.data() + h * R * ldq : nullptr,
+           ldq, xb.empty() ? nullptr : xb.data() + h * R * ldb);
     if (bias.present())
-      for (int64_t r = 0; r < R; ++r) bias.add_to(out + r * N + n0, n0, n1 - n0);
+      for (int64_t r = 0; r < R; ++r) bias.add_to(o + r * N + n0, n0, n1 - n0);
   });
   return ffi::Error::Success();
 }
