@@ -66,8 +66,10 @@ def _rep(model: AbstractModel, shape: tuple[int, ...], dtype: Any) -> jax.ShapeD
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(model.mesh, P()))
 
 
-def _ctx(model: AbstractModel, batch: int, new: int, slots: int) -> AttnContext:
-    return AttnContext(_rep(model, (batch, new), jnp.int32), _rep(model, (), jnp.int32),
+def _ctx(model: AbstractModel, batch: int, new: int, slots: int, prefill: bool = False) -> AttnContext:
+    """Where `new` tokens sit in a cache of `slots`; a prefill's index is None (its tokens at slots 0 .. new-1 of
+    an empty cache, as `serving.prefill_body` passes it: attention reads only those slots)."""
+    return AttnContext(_rep(model, (batch, new), jnp.int32), None if prefill else _rep(model, (), jnp.int32),
                        _rep(model, (batch, slots), jnp.bool_))
 
 
@@ -100,7 +102,7 @@ def _serve_step(model: AbstractModel, name: str, batch: int, seq: int) -> Step:
     new = seq if name == "prefill" else 1
     embed_program, blocks, head_program = _blocks(model)
     params, ids = model.params, _rep(model, (batch, new), jnp.int32)
-    ctx = _ctx(model, batch, new, seq)
+    ctx = _ctx(model, batch, new, seq, prefill=name == "prefill")
     emb = {"embed": params["embed"]}
     x, cos, sin = jax.eval_shape(embed_program, emb, ids, ctx)
     x, cos, sin = (_rep(model, a.shape, a.dtype) for a in (x, cos, sin))
