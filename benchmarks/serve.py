@@ -47,7 +47,8 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                  warm_lens=(1,), max_tokens: int = 2, batching: str = "continuous", extra_args=(),
                  healthy_within_s: float = 180):
     """(server process, base URL) of a server started with `--batching` + the words of `batching` (and
-    `extra_args`), once /health answers (within `healthy_within_s`: loading and warmup compiles)."""
+    `extra_args`), once /health answers (within `healthy_within_s`: loading and warmup compiles). Its compile
+    cache is off: every run's startup compiles, as the first run on a machine does."""
     port = free_port()
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -55,7 +56,8 @@ def start_server(checkpoint: str, max_batch_size: int, batch_wait_ms: float, log
                              "--max_batch_size", str(max_batch_size), "--batch_wait_ms", str(batch_wait_ms),
                              "--max_queue", "1024", "--log_level", "warning", "--batching", *batching.split(),
                              "--warmup_batch_sizes", *map(str, warm_batches), "--warmup_prompt_lens",
-                             *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens), *extra_args],
+                             *map(str, warm_lens), "--warmup_max_tokens", str(max_tokens), "--compile-cache", "off",
+                             *extra_args],
                             cwd=repo_root(), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

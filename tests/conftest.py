@@ -13,6 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
+# the commands' persistent compile cache stays off (tests/test_compile_cache.py turns it on in a folder of its own):
+# the suite writes nothing into the user's cache
+os.environ.setdefault("TUTEL_JAX_COMPILE_CACHE", "off")
 
 import numpy as np  # noqa: E402 - after the flags (numpy does not read them; kept with the other imports)
 import pytest  # noqa: E402

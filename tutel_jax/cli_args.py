@@ -18,7 +18,7 @@ from .core import usable_cpus
 
 __all__ = ["DEVICE_COUNT_FLAG", "CommandParser", "ensure_host_device_count",
            "set_host_device_count", "int_at_least", "int_in_range", "finite_float", "positive_float",
-           "non_negative_float", "checked"]
+           "non_negative_float", "checked", "add_compile_cache_argument"]
 
 SPELLING_NOTE = "Every flag may also be spelled with underscores for its dashes (--max_new_tokens = --max-new-tokens)."
 
@@ -162,3 +162,11 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
                         help="the model's float weights and activations (packed expert weights stay packed); auto "
                              "(default): the checkpoint's own where it is bfloat16, else float32")
+
+
+def add_compile_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """`--compile-cache` of the commands that compile a model's programs (`core.enable_compile_cache`)."""
+    parser.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                        help="keep the compiled programs in DIR (a folder per machine and jax version) and load them "
+                             "in later runs instead of compiling again; 'off': compile in every run (default: "
+                             "$TUTEL_JAX_COMPILE_CACHE, else the xla folder of tutel-jax's user cache)")

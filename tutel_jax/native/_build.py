@@ -31,6 +31,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from ..core import user_cache_dir
+
 __all__ = ["ISAS", "NativeKernelError", "cache_dir", "can_register", "compiler", "cpu_isas", "isa", "isa_in_effect",
            "load", "register"]
 
@@ -55,12 +57,8 @@ class NativeKernelError(RuntimeError):
     """A native kernel cannot be built or loaded here (no C++ compiler, or the compiler failed)."""
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept: $TUTEL_JAX_CACHE, else $XDG_CACHE_HOME/tutel_jax, else ~/.cache/tutel_jax."""
-    if os.environ.get("TUTEL_JAX_CACHE"):
-        return Path(os.environ["TUTEL_JAX_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tutel_jax"
+#: where built kernels are kept: $TUTEL_JAX_CACHE, else $XDG_CACHE_HOME/tutel_jax, else ~/.cache/tutel_jax
+cache_dir = user_cache_dir
 
 
 def compiler() -> str | None:

@@ -31,7 +31,8 @@ from ._generate import generate
 from ._tokenizer import eos_token_ids, IncrementalDecoder, encode, load_tokenizer
 
 from ..layer import execution
-from ..cli_args import CommandParser, add_dtype_argument, checked, int_in_range
+from ..cli_args import CommandParser, add_compile_cache_argument, add_dtype_argument, checked, int_in_range
+from ..core import enable_compile_cache
 from ._sampling import check_max_new_tokens, check_temperature, check_top_k, check_top_p
 
 
@@ -74,6 +75,7 @@ def _parser() -> CommandParser:
     ap.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     ap.add_argument("--on-device", action="store_true", help="all decode steps in one compiled lax.scan")
     add_dtype_argument(ap)
+    add_compile_cache_argument(ap)
     execution.add_arguments(ap)
     return ap
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         knobs = execution.from_arguments(args, allowed=execution.MODEL_KNOBS)
+        enable_compile_cache(args.compile_cache)
     except ValueError as e:
         return ap.fail(e)
     try:

@@ -48,8 +48,9 @@ import logging
 import socket
 
 from ..layer import execution
-from ..cli_args import (CommandParser, add_dtype_argument, int_at_least, int_in_range, non_negative_float,
-                        positive_float)
+from ..cli_args import (CommandParser, add_compile_cache_argument, add_dtype_argument, int_at_least, int_in_range,
+                        non_negative_float, positive_float)
+from ..core import enable_compile_cache
 from ..native import NativeKernelError
 from ._api_errors import APIError
 from ._app import Server, create_app
@@ -112,6 +113,7 @@ def _parser():
                    help="max_tokens of the warmup batches (the KV cache length is prompt + max_tokens, "
                         "rounded up to 16)")
     add_dtype_argument(p)
+    add_compile_cache_argument(p)
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"])
     execution.add_arguments(p)
@@ -152,6 +154,10 @@ def main(argv=None) -> int:
     problem = _address_problem(a.host, a.port)
     if problem:  # before the (long) load
         return p.fail(problem)
+    try:
+        enable_compile_cache(a.compile_cache)
+    except ValueError as e:
+        return p.fail(str(e))
     logging.basicConfig(level=a.log_level.upper())
     cfg = ServerConfig(max_batch_size=a.max_batch_size, batch_wait_ms=a.batch_wait_ms, max_queue=a.max_queue,
                        batching=a.batching, max_len=a.max_len, row_buckets=a.row_buckets,
