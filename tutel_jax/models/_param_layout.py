@@ -113,15 +113,15 @@ def absorbed_mla_weights(params: dict, spec: DecoderSpec, dtype: Any) -> dict:
         if "kv_b_proj" not in attn:
             continue
         w = np.asarray(quant.dequantize(attn["kv_b_proj"], jnp.float32))
-        w = w.reshape(spec.num_heads, m.qk_nope_dim + m.v_dim, m.kv_lora_rank).astype(jnp.dtype(dtype))
-        attn[ABSORBED_K] = _device_array(w[:, :m.qk_nope_dim].transpose(0, 2, 1))
-        attn[ABSORBED_V] = _device_array(w[:, m.qk_nope_dim:])
+        w = w.reshape(spec.num_heads, m.qk_nope_dim + m.v_dim, m.kv_lora_rank)
+        attn[ABSORBED_K] = _device_array(w[:, :m.qk_nope_dim].transpose(0, 2, 1), dtype)
+        attn[ABSORBED_V] = _device_array(w[:, m.qk_nope_dim:], dtype)
     return params
 
 
-def _device_array(a: np.ndarray) -> jax.Array:
-    """`a` as a jax array, through an aligned host copy (on CPU the array then uses that memory, no second copy;
-    a NumPy argument would be transferred at every call)."""
-    out = empty_aligned(a.shape, a.dtype)
+def _device_array(a: np.ndarray, dtype: Any) -> jax.Array:
+    """`a` cast to `dtype` as a jax array, through one aligned host copy (on CPU the array then uses that memory, no
+    second copy; a NumPy argument would be transferred at every call)."""
+    out = empty_aligned(a.shape, jnp.dtype(dtype))
     out[...] = a
-    return quant.to_jax(out, a.dtype)
+    return jax.device_put(out)

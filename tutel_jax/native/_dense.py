@@ -53,8 +53,9 @@ def compact_pays_off() -> bool:
 def worth_it(x: jax.Array, w: Any) -> bool:
     """The kernel's case: CPU, at most MAX_ROWS rows, a 2-d bfloat16 weight or a packed weight it reads; or per
     head, x [H, R, K] and a stack [H, N, K] of them, at most MAX_ROWS rows R."""
-    heads = len(quant.logical_shape(w)) - 2
-    if heads not in (0, 1) or (heads and (x.ndim != 3 or x.shape[0] != quant.logical_shape(w)[0])):
+    shape = quant.logical_shape(w)
+    heads = len(shape) - 2
+    if heads not in (0, 1) or (heads and (x.ndim != 3 or x.shape[0] != shape[0])):
         return False
     if math.prod(x.shape[heads:-1]) > MAX_ROWS or unsupported(w) is not None:
         return False
