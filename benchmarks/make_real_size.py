@@ -17,8 +17,8 @@ exponents 118..121 (block scales 2^-9..2^-6, weights of about the trained models
 scale of 192. Each tensor draws from its own generator (seed, CRC of its name), so a shard is the same whenever
 it is written. A byte-level tokenizer.json (ids 0..255, with a chat template) lets `tutel-jax serve` and
 `generate` take text. Every shard is written to `.partial` and renamed when complete: an interrupted run resumes at
-the first missing shard. The cache directory is `--cache-dir`, else `$TUTEL_JAX_CACHE/real_size`, else
-`~/.cache/tutel_jax/real_size`, outside the repository.
+the first missing shard. The cache directory is `--cache-dir`, else `real_size` in tutel-jax's
+user cache (`core.user_cache_dir`), outside the repository.
 """
 
 from __future__ import annotations
@@ -134,9 +134,11 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def default_cache_dir() -> Path:
-    """--cache-dir's default: $TUTEL_JAX_CACHE/real_size, else ~/.cache/tutel_jax/real_size."""
-    root = os.environ.get("TUTEL_JAX_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "tutel_jax") / "real_size"
+    """--cache-dir's default: real_size in tutel-jax's user cache (`core.user_cache_dir`: $TUTEL_JAX_CACHE, else
+    $XDG_CACHE_HOME/tutel_jax, else ~/.cache/tutel_jax)."""
+    from tutel_jax.core import user_cache_dir
+
+    return user_cache_dir() / "real_size"
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:

@@ -3,7 +3,7 @@
     python benchmarks/vs_llamacpp.py [--model gpt-oss-20b] [--threads N] [--rounds 3] [--work-dir D]
     python benchmarks/vs_llamacpp.py --quick      # the CI smoke test: the tutel-jax half on the tiny layout
 
-Every step is cached in --work-dir (default `$TUTEL_JAX_CACHE/vs_llamacpp`, else `~/.cache/tutel_jax/vs_llamacpp`,
+Every step is cached in --work-dir (default `vs_llamacpp` in tutel-jax's user cache, `core.user_cache_dir`,
 outside the repository):
   llama.cpp   the `llama-cpp-python` source distribution at LLAMA_CPP_PYTHON (from the package registry; it
               vendors llama.cpp, whose commit its changelog names), built with cmake + ninja and
@@ -71,8 +71,9 @@ LLAMA_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 
 
 def default_work_dir() -> Path:
-    base = os.environ.get("TUTEL_JAX_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "tutel_jax") / "vs_llamacpp"
+    from tutel_jax.core import user_cache_dir
+
+    return user_cache_dir() / "vs_llamacpp"
 
 
 def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """The user's cache directory and the persistent cache of compiled XLA programs that the `tutel-jax` commands use.
 
     user_cache_dir()              -> $TUTEL_JAX_CACHE, else $XDG_CACHE_HOME/tutel_jax, else ~/.cache/tutel_jax
+    cpu_fingerprint()             -> the machine type and the first CPU's model and feature flags
     enable_compile_cache(setting) -> the folder jax now keeps compiled programs in (None: 'off')
 
 A command's programs (a model's prefill and decode steps, the server's warmup batches) compile in seconds to
@@ -11,12 +12,14 @@ platform gets its own folder (`machine_key`): a program is never loaded on a CPU
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform as _platform
 from pathlib import Path
 
-__all__ = ["COMPILE_CACHE_ENV", "COMPILE_CACHE_MAX_BYTES", "enable_compile_cache", "machine_key", "user_cache_dir"]
+__all__ = ["COMPILE_CACHE_ENV", "COMPILE_CACHE_MAX_BYTES", "cpu_fingerprint", "enable_compile_cache", "machine_key",
+           "user_cache_dir"]
 
 #: the environment's default for the commands' --compile-cache: a directory, or 'off'
 COMPILE_CACHE_ENV = "TUTEL_JAX_COMPILE_CACHE"
@@ -33,16 +36,21 @@ def user_cache_dir() -> Path:
     return Path(base) / "tutel_jax"
 
 
-def _cpu_features() -> str:
-    """The CPU's model name and feature flags (Linux: /proc/cpuinfo), else what `platform` knows."""
+@functools.lru_cache(maxsize=None)  # the CPU does not change under a running process
+def cpu_fingerprint() -> str:
+    """The machine type plus, on Linux, the first CPU's model name and feature flags: what keys the caches of
+    things built for this CPU (native kernels, compiled programs)."""
+    lines = []
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    lines.append(line.strip())
+                elif not line.strip() and lines:
+                    break  # the first processor's block is enough
     except OSError:
-        lines = []
-    keys = ("model name", "flags", "Features", "CPU part", "CPU implementer")
-    seen = sorted({line.strip() for line in lines if line.split(":")[0].strip() in keys})
-    return "\n".join(seen) or _platform.processor()
+        pass
+    return "\n".join([_platform.machine(), _platform.processor(), *lines])
 
 
 def machine_key() -> str:
@@ -51,7 +59,7 @@ def machine_key() -> str:
     import jax
     import jaxlib
 
-    cpu = hashlib.sha256(_cpu_features().encode()).hexdigest()[:12]
+    cpu = hashlib.sha256(cpu_fingerprint().encode()).hexdigest()[:12]
     return f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{_platform.system()}-{_platform.machine()}-{cpu}".lower()
 
 

@@ -18,7 +18,6 @@ load a half-written file.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -31,9 +30,9 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from ..core import user_cache_dir
+from ..core import cpu_fingerprint as _cpu_fingerprint, user_cache_dir  # (tests patch the name here)
 
-__all__ = ["ISAS", "NativeKernelError", "cache_dir", "can_register", "compiler", "cpu_isas", "isa", "isa_in_effect",
+__all__ = ["ISAS", "NativeKernelError", "can_register", "compiler", "cpu_isas", "isa", "isa_in_effect",
            "load", "register"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -57,10 +56,6 @@ class NativeKernelError(RuntimeError):
     """A native kernel cannot be built or loaded here (no C++ compiler, or the compiler failed)."""
 
 
-#: where built kernels are kept: $TUTEL_JAX_CACHE, else $XDG_CACHE_HOME/tutel_jax, else ~/.cache/tutel_jax
-cache_dir = user_cache_dir
-
-
 def compiler() -> str | None:
     """The C++ compiler to use ($CXX, else the first of c++, g++, clang++ on PATH), or None."""
     if os.environ.get("CXX"):
@@ -70,22 +65,6 @@ def compiler() -> str | None:
         if found:
             return found
     return None
-
-
-@functools.lru_cache(maxsize=None)  # the CPU does not change under a running process
-def _cpu_fingerprint() -> str:
-    """The machine type plus, on Linux, the first CPU's model name and feature flags."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features", "CPU part")):
-                    lines.append(line.strip())
-                elif not line.strip() and lines:
-                    break  # the first processor's block is enough
-    except OSError:
-        pass
-    return "\n".join([platform.machine(), platform.processor(), *lines])
 
 
 def _cpu_flags() -> set[str]:
@@ -150,7 +129,7 @@ def _library_path(source: Path, cxx: str, flag_sets: tuple[tuple[str, ...], ...]
                  jaxlib.__version__.encode(), _cpu_fingerprint().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    return user_cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
 def _compile(source: Path, target: Path, cxx: str, flag_sets: tuple[tuple[str, ...], ...]) -> None:
